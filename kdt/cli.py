@@ -1,0 +1,224 @@
+"""The `kdt` command line: a thin layer over the library.
+
+Exit codes: 0 success, 1 a check failed (verify), 2 bad input (one line on stderr, never a traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Decode-time matrices are small: one BLAS thread beats a contended pool by ~10x (set before numpy loads).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kdt.errors import KdtError
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "fixtures" / "model_tiny.h5"
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="kdt: DeepSeek-V3 / Kimi-K2 (MLA + MoE) inference with DDTree speculative decoding.\n\n"
+    "The CUDA backend compiles its kernels on first use (about a minute; cached on disk afterwards).",
+)
+out = Console() if sys.stdout.isatty() else Console(width=160)
+err = Console(stderr=True)
+
+
+def fail(msg: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _load(path: Path, load_weights: bool = True):
+    from kdt.fixture import read_fixture
+
+    if not path.exists():
+        fail(f"{path}: no such file")
+    return read_fixture(str(path), load_weights=load_weights)
+
+
+@app.command("gen-ref")
+def gen_ref(
+    out_path: Path = typer.Option(Path("fixtures/model_tiny.h5"), "--out", "-o", help="HDF5 file to write."),
+    preset: str = typer.Option("tiny", help="Model preset (tiny, micro)."),
+    seed: int = typer.Option(0, help="Seed of the weights and the prompts."),
+    n_new: int = typer.Option(25, help="Greedy tokens per golden prompt (>= 24)."),
+    prompt_lengths: str = typer.Option("1,5,40", help="Comma-separated prompt lengths."),
+):
+    """Build a small random model and its golden traces (float64 NumPy reference) into an HDF5 fixture."""
+    from rich.progress import Progress
+
+    from kdt.fixture import write_fixture
+    from kdt.genref import generate_reference, summary_rows
+
+    try:
+        lengths = tuple(int(x) for x in prompt_lengths.split(",") if x.strip())
+    except ValueError:
+        fail(f"--prompt-lengths must be comma-separated integers (got {prompt_lengths!r})")
+    t0 = time.perf_counter()
+    with Progress(console=err, transient=True) as prog:
+        task = prog.add_task("golden traces", total=None)
+        fx = generate_reference(preset, seed=seed, prompt_lengths=lengths, n_new=n_new,
+                                progress=lambda msg: prog.update(task, description=str(msg)))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    write_fixture(str(out_path), fx)
+    table = Table(title=f"{out_path} ({out_path.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")
+    rows = summary_rows(fx)
+    for col in rows[0]:
+        table.add_column(str(col), no_wrap=col != "output_head")
+    for r in rows:
+        table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()))
+    out.print(table)
+
+
+@app.command()
+def verify(
+    fixture: Path = typer.Argument(DEFAULT_MODEL, help="Fixture with golden traces."),
+    backend: str = typer.Option("auto", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("float32", help="Weights on the GPU: float32 | bf16."),
+    budget: int = typer.Option(16, help="DDTree node budget."),
+    block_size: int = typer.Option(8, help="Drafter block size (tree depth + 1)."),
+    atol: float = typer.Option(1e-3, help="Largest allowed |logit - golden| for AR."),
+):
+    """Golden checks: AR and DDTree (oracle, noisy, useless drafters) must reproduce the golden tokens."""
+    from kdt.engine import describe_backend, load_target, resolve_backend
+    from kdt.verify import run_verify
+
+    fx = _load(fixture)
+    if not fx.golden:
+        fail(f"{fixture}: holds no golden traces (/golden)")
+    be = resolve_backend(backend)
+    out.print(f"backend: {describe_backend(be, dtype)}")
+    max_len = max(len(g.prompt) + len(g.output) for g in fx.golden) + budget + 2
+    table = Table(title=f"kdt verify {fixture}")
+    for col in ("prompt", "mode", "tokens", "max |dlogit|", "stats", "result"):
+        table.add_column(col, no_wrap=col != "result")
+
+    with err.status("running (first CUDA use compiles kernels)...") if be == "cuda" else _null():
+        checks = run_verify(fx, lambda: load_target(fx.config, fx.weights, be, dtype, max_len), budget=budget,
+                            block_size=block_size, atol=atol)
+    for c in checks:
+        table.add_row(c.prompt, c.mode, f"{c.n_match}/{c.n_golden}",
+                      "" if c.max_logit_diff != c.max_logit_diff else f"{c.max_logit_diff:.2e}",
+                      c.stats() if c.mode != "ar" else f"steps={c.steps}",
+                      "[green]PASS[/]" if c.ok else f"[red]FAIL[/] {c.note}")
+    out.print(table)
+    n_fail = sum(not c.ok for c in checks)
+    out.print(f"[bold]{'PASS' if n_fail == 0 else 'FAIL'}[/]: {len(checks) - n_fail}/{len(checks)} checks passed")
+    raise typer.Exit(1 if n_fail else 0)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text."),
+    prompt_ids: str = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
+    model: Path = typer.Option(DEFAULT_MODEL, "--model", "-m", help="HDF5 model file."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens to generate."),
+    drafter: str = typer.Option("suffix", help="suffix | useless | none (plain autoregressive)."),
+    budget: int = typer.Option(32, help="DDTree node budget per step."),
+    block_size: int = typer.Option(8, help="Drafter block size (tree depth + 1)."),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (lossless)."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    backend: str = typer.Option("auto", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("float32", help="Weights on the GPU: float32 | bf16."),
+    max_len: int = typer.Option(0, help="Context length (0 = prompt + max new tokens + budget)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (tokens, text, statistics)."),
+):
+    """Generate text with DDTree speculative decoding, streaming tokens as they are committed."""
+    from kdt.drafters import make_drafter
+    from kdt.engine import describe_backend, load_target, resolve_backend
+    from kdt.reference.decode import generate as run
+    from kdt.tokenizer import load_tokenizer
+
+    if (prompt is None) == (prompt_ids is None):
+        fail("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if max_new_tokens < 1:
+        fail("--max-new-tokens must be >= 1")
+    if budget < 0 or block_size < 2:
+        fail("--budget must be >= 0 and --block-size >= 2")
+    fx = _load(model)
+    cfg = fx.config
+    tok = load_tokenizer(fx.tokenizer)
+    if prompt_ids is not None:
+        try:
+            ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            fail(f"--prompt-ids must be comma-separated integers (got {prompt_ids!r})")
+        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+        if bad:
+            fail(f"--prompt-ids: token {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
+    else:
+        ids = tok.encode(prompt)
+    if not ids:
+        fail("the prompt is empty")
+    use_budget = 0 if drafter == "none" else budget
+    ctx = cfg.max_position_embeddings
+    need = len(ids) + max_new_tokens + use_budget + 1
+    if len(ids) >= ctx:
+        fail(f"prompt of {len(ids)} tokens does not fit the model's {ctx}-token context")
+    if max_len and need > max_len:
+        fail(f"prompt ({len(ids)}) + max new tokens ({max_new_tokens}) + budget ({use_budget}) exceeds "
+             f"--max-len {max_len}")
+    if use_budget + len(ids) + 1 > min(max_len or ctx, ctx):
+        fail(f"budget {use_budget} larger than the cache allows after a {len(ids)}-token prompt")
+    max_len = min(max_len or need, ctx)
+    be = resolve_backend(backend)
+    d = None if drafter == "none" else make_drafter(drafter, cfg.vocab_size, seed=seed)
+    if not as_json:
+        err.print(f"backend: {describe_backend(be, dtype)}; drafter: {drafter}; budget {use_budget}",
+                  highlight=False)
+    with err.status("loading model (first CUDA use compiles kernels)...") if be == "cuda" else _null():
+        target = load_target(cfg, fx.weights, be, dtype, max_len)
+    stream = tok.stream()
+
+    def on_tokens(new):
+        if not as_json:
+            sys.stdout.write(stream.feed(new))
+            sys.stdout.flush()
+
+    stops = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
+    res = run(target, ids, max_new_tokens, drafter=d, budget=use_budget, block_size=block_size,
+              temperature=temperature, seed=seed, stop_tokens=stops, on_tokens=on_tokens)
+    stats = {"steps": res.steps, "n_tokens": len(res.tokens), "avg_accept": round(res.avg_accept, 3),
+             "tokens_per_s": round(res.tokens_per_s, 2), "prefill_s": round(res.prefill_s, 4),
+             "decode_s": round(res.decode_s, 4), "finish_reason": res.finish_reason, "backend": be,
+             "drafter": drafter, "budget": use_budget, "block_size": block_size}
+    if as_json:
+        print(json.dumps({"prompt_ids": ids, "tokens": res.tokens, "text": tok.decode(res.tokens), **stats}))
+    else:
+        sys.stdout.write("\n")
+        err.print(f"{len(res.tokens)} tokens in {res.decode_s:.3f} s ({res.tokens_per_s:.1f} tokens/s), "
+                  f"steps={res.steps} avg_accept={res.avg_accept:.2f}, finish={res.finish_reason}",
+                  highlight=False)
+
+
+def main() -> None:
+    try:
+        app()
+    except KdtError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

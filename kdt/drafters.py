@@ -1,0 +1,139 @@
+"""Drafters: per-depth top-K tokens and log-probabilities for the next block (SPEC section 4).
+
+All follow :class:`kdt.reference.decode.Drafter`: ``draft(context, depth, k) -> (tokens[depth, k],
+logp[depth, k])`` with distinct tokens per row, sorted by descending log-probability, normalised over
+the full vocabulary (each row's probabilities sum to at most 1).
+
+- :class:`OracleDrafter` knows the true continuation (verification only); with ``noise > 0`` it
+  demotes or drops the true token at random depths (partial acceptance, branch following, compaction).
+- :class:`UselessDrafter` proposes random tokens: nothing is accepted, the output must still be exact.
+- :class:`SuffixDrafter` is model-free: it matches the longest suffix of the context against the
+  prompt and the output so far and proposes what followed (n-gram / suffix matching).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+FLOOR_LOGP = -30.0  # log-probability of padding candidates (effectively never chosen first)
+
+
+def _fill_row(first: Sequence[int], probs: Sequence[float], k: int, vocab: int, rng: np.random.Generator,
+              rest_mass: float) -> tuple[np.ndarray, np.ndarray]:
+    """A row of k distinct tokens: ``first`` with ``probs``, then random distractors sharing
+    ``rest_mass`` with geometrically decreasing probability."""
+    toks = [int(t) for t in first][:k]
+    lp = [float(np.log(max(p, 1e-300))) for p in probs][: len(toks)]
+    taken = set(toks)
+    n_extra = k - len(toks)
+    if n_extra > 0:
+        pool = rng.choice(vocab, size=min(vocab, n_extra + len(taken)), replace=False)
+        extra = [int(t) for t in pool if int(t) not in taken][:n_extra]
+        w = 0.5 ** np.arange(1, n_extra + 1)
+        lp += list(np.log(rest_mass * w / w.sum()))
+        toks += extra
+    order = np.argsort(-np.asarray(lp), kind="stable")
+    return np.asarray(toks, dtype=np.int64)[order], np.asarray(lp, dtype=np.float32)[order]
+
+
+class OracleDrafter:
+    """Knows ``sequence`` (prompt + true continuation). Puts the true next token at rank 0 with
+    probability ``p_true``; with probability ``noise`` per depth the true token is demoted to a random
+    lower rank (half the time) or dropped."""
+
+    def __init__(self, sequence: Sequence[int], vocab_size: int, noise: float = 0.0, p_true: float = 0.9,
+                 seed: int = 0):
+        self.sequence = np.asarray(sequence, dtype=np.int64)
+        self.vocab, self.noise, self.p_true = vocab_size, noise, p_true
+        self.rng = np.random.default_rng(seed)
+        self.name = "oracle" if noise == 0 else f"noisy-oracle({noise:g})"
+
+    def draft(self, context, depth: int, k: int):
+        n = len(context)
+        toks = np.empty((depth, k), np.int64)
+        logp = np.empty((depth, k), np.float32)
+        for d in range(depth):
+            i = n + d  # index in `sequence` of the token at depth d+1 after the root
+            true = int(self.sequence[i]) if i < len(self.sequence) else int(self.rng.integers(self.vocab))
+            row_t, row_p = _fill_row([true], [self.p_true], k, self.vocab, self.rng, 1.0 - self.p_true)
+            if self.noise > 0 and self.rng.random() < self.noise:
+                if k > 1 and self.rng.random() < 0.5:  # demote: swap with a random lower rank
+                    r = int(self.rng.integers(1, k))
+                    row_t[[0, r]] = row_t[[r, 0]]
+                else:  # drop: replace by a token not in the row
+                    taken = set(row_t.tolist())
+                    pool = self.rng.choice(self.vocab, size=min(self.vocab, k + 1), replace=False)
+                    row_t[0] = next(int(t) for t in pool if int(t) not in taken)
+            toks[d], logp[d] = row_t, row_p
+        return toks, logp
+
+
+class UselessDrafter:
+    """Random distinct tokens with a flat-ish distribution: the target rejects nearly everything."""
+
+    name = "useless"
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab = vocab_size
+        self.rng = np.random.default_rng(seed)
+
+    def draft(self, context, depth: int, k: int):
+        rows = [_fill_row([], [], k, self.vocab, self.rng, 1.0) for _ in range(depth)]
+        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+
+
+class SuffixDrafter:
+    """Model-free n-gram drafter: finds the longest suffix (up to ``max_ngram`` tokens) of the context
+    that occurred before, and proposes, per depth, the tokens that followed its occurrences (most
+    frequent first; the most recent occurrence's chain at rank 0). Unknown depths get padding."""
+
+    name = "suffix"
+
+    def __init__(self, vocab_size: int, max_ngram: int = 8, min_ngram: int = 1, seed: int = 0):
+        self.vocab, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+        self.rng = np.random.default_rng(seed)
+
+    def _occurrences(self, ctx: np.ndarray) -> list[int]:
+        """End indices (exclusive) of earlier occurrences of the longest matching suffix."""
+        n = len(ctx)
+        for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            suffix = ctx[n - m:]
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[: n - 1], m)
+            hits = np.nonzero((windows == suffix).all(axis=1))[0]
+            if hits.size:
+                return [int(h) + m for h in hits[::-1]]  # most recent first
+        return []
+
+    def draft(self, context, depth: int, k: int):
+        ctx = np.asarray(context, dtype=np.int64)
+        ends = self._occurrences(ctx)
+        toks = np.empty((depth, k), np.int64)
+        logp = np.empty((depth, k), np.float32)
+        for d in range(depth):
+            follow = [int(ctx[e + d]) for e in ends if e + d < len(ctx)]
+            counts = Counter(follow)
+            if follow:  # most recent occurrence first, then by frequency
+                cands = [follow[0]] + [t for t, _ in counts.most_common() if t != follow[0]]
+                total = len(follow) + 1.0
+                probs = [0.8 * (counts[t] + (1 if t == follow[0] else 0)) / total for t in cands]
+                row = _fill_row(cands, probs, k, self.vocab, self.rng, 1e-6)
+            else:
+                row = _fill_row([], [], k, self.vocab, self.rng, 1e-6)
+            toks[d], logp[d] = row
+        return toks, logp
+
+
+def make_drafter(name: str, vocab_size: int, sequence: Sequence[int] | None = None, seed: int = 0):
+    """By name: ``oracle``, ``noisy`` (noise 0.3), ``useless``, ``suffix``."""
+    if name in ("oracle", "noisy"):
+        if sequence is None:
+            raise ValueError(f"the {name} drafter needs the true continuation")
+        return OracleDrafter(sequence, vocab_size, noise=0.3 if name == "noisy" else 0.0, seed=seed)
+    if name == "useless":
+        return UselessDrafter(vocab_size, seed)
+    if name == "suffix":
+        return SuffixDrafter(vocab_size, seed=seed)
+    raise ValueError(f"unknown drafter {name!r} (oracle, noisy, useless, suffix)")

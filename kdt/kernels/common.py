@@ -1,0 +1,88 @@
+"""Shared pieces of the kernel modules.
+
+- ``IS_SIM``: True under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``). The simulator has no warp
+  shuffles, so every reduction has a shared-memory path; kernels pick it with this flag at import.
+- bf16 weights are stored as ``uint16`` (the top half of the float32 bit pattern) and widened to
+  float32 in registers with :func:`bf16_to_f32`; accumulation is always float32.
+- ``PTX_REGISTRY``: ``register_ptx(kernel, signature)`` records a kernel and one signature that CI
+  compiles with ``cuda.compile_ptx(..., cc=(9, 0))`` (tests/test_compile_ptx.py), because the
+  simulator checks no types.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import config as _nb_config
+from numba import cuda, int32
+
+IS_SIM: bool = bool(_nb_config.ENABLE_CUDASIM)
+
+WARP = 32
+
+# (name, python function of the kernel or device function, signature tuple, is_device)
+PTX_REGISTRY: list[tuple[str, object, tuple, bool]] = []
+
+
+def register_ptx(kernel, signature: tuple, device: bool = False, name: str | None = None) -> None:
+    """Record ``kernel`` (a ``cuda.jit`` dispatcher or its py_func) for the sm_90 compile check."""
+    fn = getattr(kernel, "py_func", kernel)
+    PTX_REGISTRY.append((name or fn.__name__, fn, signature, device))
+
+
+if IS_SIM:
+
+    @cuda.jit(device=True)
+    def bf16_to_f32(u):
+        """uint16 bf16 bit pattern -> float32 (simulator path)."""
+        return np.array([np.uint32(u) << np.uint32(16)], dtype=np.uint32).view(np.float32)[0]
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def bf16_to_f32(u):
+        """uint16 bf16 bit pattern -> float32: shift into the high half and reinterpret."""
+        return libdevice.int_as_float(int32(u) << 16)
+
+
+@cuda.jit(device=True, inline=True)
+def f32_identity(x):
+    """Loader for float32 weights (the float32 counterpart of bf16_to_f32)."""
+    return x
+
+
+def weight_loader(dtype):
+    """Device function that turns one stored weight element into float32."""
+    dt = np.dtype(dtype)
+    if dt == np.uint16:
+        return bf16_to_f32
+    if dt == np.float32:
+        return f32_identity
+    raise TypeError(f"unsupported weight dtype {dt}: kernels take float32 or bf16 (stored as uint16)")
+
+
+def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit pattern (uint16), round to nearest even (host side)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    u = a.view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    """bf16 bit pattern (uint16) -> float32 (host side, exact)."""
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gpu_available() -> bool:
+    """A real CUDA device (not the simulator) can be used."""
+    if IS_SIM:
+        return False
+    try:
+        return bool(cuda.is_available()) and len(cuda.gpus) > 0
+    except Exception:  # noqa: BLE001 - no driver, no device
+        return False

@@ -1,0 +1,173 @@
+"""The decode loops of SPEC sections 2-3: prefill, autoregressive and DDTree, over any target.
+
+One loop serves every backend. A *target* supplies the model forward and cache compaction
+(:class:`Target`); the tree steps (build, target choice, accept) default to the NumPy reference and a
+backend may override them with kernels (the CUDA engine does). Autoregressive decoding is the DDTree
+step with budget 0: verify ``[root]``, accept it, the bonus is the next token.
+
+Cache semantics (SPEC section 2): after prefill of P tokens ``L = P`` and the root (argmax of the last
+prompt logits) is committed but not cached. A step verifies ``[root, node_1..node_B]`` at positions
+``L + depth``, moves the accepted latents to slots ``[L, L + 1 + a)``, sets ``L += 1 + a``, and the
+bonus becomes the next root. Every emitted token is the target's own choice, so greedy DDTree output
+equals greedy AR output for any drafter (the invariant).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from kdt.config import ModelConfig
+from kdt.reference.ddtree import Tree, build_tree, follow_verified_tree, target_choice_greedy, target_choice_sample
+from kdt.reference.model import causal_block
+
+
+class Target(Protocol):
+    """What the decode loop needs of a model: the single forward and cache compaction."""
+
+    cfg: ModelConfig
+    max_len: int
+
+    def forward(self, tokens, positions, L: int, mask) -> np.ndarray:
+        """tokens[M], positions[M], block mask [M, M] (prefix [0, L) visible) -> logits [M, V]."""
+
+    def compact(self, L: int, accepted) -> None:
+        """Move cache slots L+accepted[i] -> L+i in every layer."""
+
+
+class Drafter(Protocol):
+    """Proposes, for depths 1..depth after the root, the top-k tokens and their log-probabilities
+    (normalised over the full vocabulary; rows sorted by descending log-probability, distinct tokens)."""
+
+    name: str
+
+    def draft(self, context: np.ndarray, depth: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """context: all committed tokens, prompt first, the root last -> (tokens[depth, k], logp[depth, k])."""
+
+
+class TreeOps:
+    """The tree steps of a DDTree iteration; the NumPy reference by default, kernels in the engine."""
+
+    def build(self, root: int, draft_tokens, draft_logp, budget: int, L: int) -> Tree:
+        return build_tree(root, draft_tokens, draft_logp, budget)
+
+    def choose(self, logits: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
+        if temperature > 0:
+            return target_choice_sample(logits, temperature, rng)
+        return target_choice_greedy(logits)
+
+    def accept(self, tree: Tree, choice: np.ndarray) -> tuple[np.ndarray, int]:
+        return follow_verified_tree(tree, choice)
+
+
+@dataclass
+class GenResult:
+    tokens: list[int]  # generated tokens (the prefill's root first)
+    logits: list[np.ndarray] | None = None  # the logits row that chose each generated token
+    steps: int = 0  # verify forwards after prefill
+    accept_lengths: list[int] = field(default_factory=list)  # 1 + a per step (root included)
+    finish_reason: str = "length"  # length | stop | context
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def avg_accept(self) -> float:
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def prefill(target: Target, prompt: Sequence[int]) -> tuple[int, np.ndarray]:
+    """Causal forward over the prompt into slots [0, P). Returns (L = P, logits of the last position)."""
+    prompt = np.asarray(prompt, dtype=np.int64)
+    P = prompt.shape[0]
+    logits = target.forward(prompt, np.arange(P, dtype=np.int64), 0, causal_block(P))
+    return P, np.asarray(logits[-1])
+
+
+def generate(
+    target: Target,
+    prompt: Sequence[int],
+    max_new: int,
+    drafter: Drafter | None = None,
+    budget: int = 0,
+    block_size: int = 8,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_tokens: Sequence[int] = (),
+    keep_logits: bool = False,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    ops: TreeOps | None = None,
+) -> GenResult:
+    """Prefill then DDTree steps (``budget`` nodes, depth ``block_size - 1``); ``budget == 0`` or no
+    drafter is plain autoregressive decoding through the very same step."""
+    ops = ops or getattr(target, "tree_ops", None) or TreeOps()
+    prompt = np.asarray(prompt, dtype=np.int64)
+    P = prompt.shape[0]
+    if P < 1:
+        raise ValueError("the prompt must hold at least one token")
+    if P >= target.max_len:
+        raise ValueError(f"prompt of {P} tokens leaves no room in the {target.max_len}-token context")
+    if drafter is None:
+        budget = 0
+    depth = max(block_size - 1, 1)
+    rng = np.random.default_rng(seed)
+    stops = set(int(t) for t in stop_tokens)
+    res = GenResult(tokens=[], logits=[] if keep_logits else None)
+
+    def emit(tokens: list[int], rows: np.ndarray | None) -> bool:
+        """Append up to max_new tokens, stopping after a stop token; True when generation is over."""
+        room = max_new - len(res.tokens)
+        out = tokens[:room]
+        for j, t in enumerate(out):
+            if t in stops:
+                out, res.finish_reason = out[: j + 1], "stop"
+                break
+        res.tokens.extend(out)
+        if keep_logits:
+            res.logits.extend(np.asarray(rows[: len(out)], dtype=np.float32))
+        if on_tokens and out:
+            on_tokens(out)
+        return res.finish_reason == "stop" or len(res.tokens) >= max_new
+
+    t0 = time.perf_counter()
+    L, last = prefill(target, prompt)
+    root = int(ops.choose(last[None, :], temperature, rng)[0])
+    res.prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    done = max_new <= 0 or emit([root], last[None, :])
+    while not done:
+        room = target.max_len - L  # cache slots left for this step's tree
+        if room < 1:
+            res.finish_reason = "context"
+            break
+        step_budget = min(budget, room - 1)
+        if step_budget > 0:
+            context = np.concatenate([prompt, np.asarray(res.tokens, dtype=np.int64)])
+            k = min(step_budget, target.cfg.vocab_size)
+            draft_tokens, draft_logp = drafter.draft(context, depth, k)
+            tree = ops.build(root, draft_tokens, draft_logp, step_budget, L)
+        else:
+            tree = ops.build(root, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), 0, L)
+        logits = target.forward(tree.tokens, tree.positions(L), L, tree.visibility)
+        choice = ops.choose(logits, temperature, rng)
+        accepted, bonus = ops.accept(tree, choice)
+        target.compact(L, accepted)
+        L += len(accepted)
+        res.steps += 1
+        res.accept_lengths.append(len(accepted))
+        root = int(bonus)
+        done = emit([int(t) for t in choice[accepted]], np.asarray(logits)[accepted] if keep_logits else None)
+    res.decode_s = time.perf_counter() - t0
+    return res
+
+
+def ar_generate(target: Target, prompt: Sequence[int], max_new: int, **kw) -> GenResult:
+    """Greedy (or sampled) autoregressive decoding: the DDTree step with budget 0."""
+    return generate(target, prompt, max_new, drafter=None, **kw)
