@@ -209,6 +209,150 @@ def generate(
                   highlight=False)
 
 
+@app.command()
+def convert(
+    src_dir: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json, safetensors)."),
+    out_file: Path = typer.Argument(..., help="kdt HDF5 file to write (atomically)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Stored weight matrices: fp32 | bf16."),
+):
+    """Convert a Hugging Face DeepSeek-V3 / Kimi-K2 / Moonlight checkpoint (fp32, bf16 or FP8
+    block-quantised safetensors) into kdt's HDF5 format."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from kdt.convert import OUT_DTYPES, convert_checkpoint
+
+    if dtype not in OUT_DTYPES:
+        fail(f"--dtype must be fp32 or bf16 (got {dtype!r})")
+    columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"))
+    with Progress(*columns, console=err, transient=True) as prog:
+        task = prog.add_task("convert", total=None, tensor="")
+
+        def on_progress(done: int, total: int, name: str) -> None:
+            prog.update(task, completed=done, total=total, tensor=name)
+
+        s = convert_checkpoint(src_dir, out_file, dtype=dtype, progress=on_progress)
+    table = Table(title=f"kdt convert: {out_file} ({s['bytes_written'] / 1e6:.1f} MB, {s['seconds']:.1f} s)",
+                  show_header=False)
+    table.add_column("")
+    table.add_column("")
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(s["skipped"].items())) or "none"
+    ignored = f"{len(s['ignored'])}: {', '.join(s['ignored'][:3])}" if s["ignored"] else "none"
+    kept = " (router and norms float32)" if s["weight_dtype"] == "bfloat16" else ""
+    rows = [
+        ("source", f"{s['source']} ({s['model_type']}, {s['shards']} shard(s))"),
+        ("source dtypes", ", ".join(f"{k} x{v}" for k, v in sorted(s["source_dtypes"].items()))),
+        ("quantization", s["quantization"] or "none"),
+        ("model", f"{s['layers']} layers ({s['moe_layers']} MoE, {s['experts']} experts), "
+                  f"{s['params']:,} params, embeddings {'tied' if s['tied_embeddings'] else 'untied'}"),
+        ("expert layout", s["expert_layout"]),
+        ("written", f"{s['tensors_written']} tensors as {s['weight_dtype']}{kept}"),
+        ("skipped tensors", skipped),
+        ("ignored tensors", ignored),
+        ("tokenizer", s["tokenizer"] or "none (no tokenizer.json)"),
+        ("read", f"{s['bytes_read'] / 1e6:.1f} MB"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    out.print(table)
+
+
+@app.command()
+def bench(
+    model: Path = typer.Option(None, "--model", "-m", help="HDF5 model (default: the bundled fixture)."),
+    preset: str = typer.Option(None, help="Instead of a file: tiny | moonlight-16b-a3b | kimi-k2 with random "
+                               "weights drawn on the device (CUDA) or the host (CPU)."),
+    layers: int = typer.Option(0, help="Keep only the first N layers of a preset (to fit one GPU)."),
+    dtype: str = typer.Option("bf16", help="Weights on the GPU: float32 | bf16."),
+    backend: str = typer.Option("auto", help="auto | cpu | cuda"),
+    quick: bool = typer.Option(False, help="Small sizes and few repeats (CI smoke run)."),
+    budget: int = typer.Option(0, help="DDTree budget (0: 64, or 16 with --quick)."),
+    block_size: int = typer.Option(8, help="Drafter block size."),
+    peer: bool = typer.Option(True, help="Also time transformers' DeepseekV3ForCausalLM when importable."),
+    json_path: Path = typer.Option(None, "--json", help="Write every number (and device, versions, config) here."),
+    plot: Path = typer.Option(None, help="PNG of the verify cost curve and the DDTree stage breakdown."),
+):
+    """Throughput and latency against the physical floor (bytes / measured copy bandwidth) and a peer."""
+    import dataclasses
+
+    from kdt import bench as B
+    from kdt import peer as P
+    from kdt.config import preset as get_preset
+    from kdt.engine import describe_backend, load_target, resolve_backend
+
+    if model is not None and preset is not None:
+        fail("give --model or --preset, not both")
+    be = resolve_backend(backend)
+    bc = B.BenchConfig.quick() if quick else B.BenchConfig()
+    if budget:
+        bc.budget = budget
+    bc.block_size = block_size
+    weights = None
+    if preset is not None:
+        cfg = get_preset(preset)
+        if layers:
+            if not 0 < layers <= cfg.num_hidden_layers:
+                fail(f"--layers must be in [1, {cfg.num_hidden_layers}]")
+            cfg = cfg.replace(num_hidden_layers=layers, first_k_dense_replace=min(cfg.first_k_dense_replace, layers))
+        if be == "cpu":
+            if cfg.n_params() > 2e8:
+                fail(f"preset {preset} has {cfg.n_params() / 1e9:.1f}B parameters: too large for the CPU backend")
+            from kdt.weights import random_weights
+
+            weights = random_weights(cfg, 0)
+        source = f"preset {preset}" + (f" ({layers} layers)" if layers else "")
+    else:
+        fx = _load(model or DEFAULT_MODEL)
+        cfg, weights, source = fx.config, fx.weights, str(model or DEFAULT_MODEL)
+    max_len = min(cfg.max_position_embeddings, max(max(bc.tree_prefixes) + 300, max(bc.prefill_sizes),
+                                                   bc.prompt_len + 2 * bc.decode_tokens + bc.budget + 64))
+    err.print(f"backend: {describe_backend(be, dtype)}; {source}; max_len {max_len}", highlight=False)
+    with err.status("loading weights (first CUDA use compiles kernels)..."):
+        target = load_target(cfg, weights, be, dtype, max_len)
+    peer_obj, peer_note = None, "not requested"
+    if peer:
+        if not P.available():
+            peer_note = "torch/transformers not importable"
+        else:
+            try:
+                peer_obj = P.TransformersPeer(cfg, target=target if be == "cuda" else None,
+                                              host_weights=weights if be == "cpu" else None, dtype=dtype)
+                peer_note = "transformers DeepseekV3ForCausalLM (eager)"
+            except Exception as e:  # noqa: BLE001 - the bench goes on without a peer, and says why
+                peer_note = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    err.print(f"peer: {peer_note}", highlight=False)
+    wbytes = 2 if (dtype == "bf16" and be == "cuda") else 4
+    rows, bw = B.run_bench(target, be, cfg, wbytes, bc, log=lambda m: err.print(m, highlight=False),
+                           peer=peer_obj)
+    table = Table(title=f"kdt bench: {source}, {describe_backend(be, dtype)}")
+    for col in ("measurement", "value", "unit", "time ms", "floor ms", "x floor", "peer", "kdt/peer"):
+        table.add_column(col, justify="left" if col == "measurement" else "right", no_wrap=True)
+    f = lambda v, p=".2f": "" if v != v else format(v, p)  # noqa: E731
+    for r in rows:
+        table.add_row(r.name, f(r.value, ".3g"), r.unit, f(r.time_ms, ".3f"), f(r.floor_ms, ".3f"), f(r.x_floor),
+                      f(r.peer, ".3g"), f(r.vs_peer))
+    out.print(table)
+    if json_path is not None:
+        doc = {"kdt_bench_version": 1, "environment": B.environment(be), "source": source, "dtype": dtype,
+               "config": cfg.to_dict(), "bench": dataclasses.asdict(bc), "peer": peer_note,
+               "copy_bandwidth_GBps": bw / 1e9, "rows": [r.to_dict() for r in rows]}
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = json_path.with_suffix(json_path.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=float))
+        os.replace(tmp, json_path)
+        err.print(f"wrote {json_path}")
+    if plot is not None:
+        B.plot(rows, plot)
+        err.print(f"wrote {plot}")
+
+
 def main() -> None:
     try:
         app()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import config as _nb_config
-from numba import cuda, int32
+from numba import cuda, int32, uint16, uint32
 
 IS_SIM: bool = bool(_nb_config.ENABLE_CUDASIM)
 
@@ -36,6 +36,11 @@ if IS_SIM:
         """uint16 bf16 bit pattern -> float32 (simulator path)."""
         return np.array([np.uint32(u) << np.uint32(16)], dtype=np.uint32).view(np.float32)[0]
 
+    @cuda.jit(device=True)
+    def f32_bits(v):
+        """float32 -> its uint32 bit pattern (simulator path)."""
+        return np.array([v], dtype=np.float32).view(np.uint32)[0]
+
 else:
     from numba.cuda import libdevice
 
@@ -43,6 +48,18 @@ else:
     def bf16_to_f32(u):
         """uint16 bf16 bit pattern -> float32: shift into the high half and reinterpret."""
         return libdevice.int_as_float(int32(u) << 16)
+
+    @cuda.jit(device=True, inline=True)
+    def f32_bits(v):
+        """float32 -> its uint32 bit pattern."""
+        return uint32(libdevice.float_as_int(v))
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16(v):
+    """float32 -> bf16 bits (uint16), round to nearest even (the device twin of f32_to_bf16_bits)."""
+    u = f32_bits(v)
+    return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
 
 
 @cuda.jit(device=True, inline=True)

@@ -11,7 +11,7 @@ import importlib
 import sys
 import time
 
-MODULES = ("linear", "elementwise", "mla", "moe", "ddtree")
+MODULES = ("linear", "elementwise", "mla", "moe", "ddtree", "randn")
 
 
 def main() -> int:

@@ -22,7 +22,13 @@ from typing import Protocol
 import numpy as np
 
 from kdt.config import ModelConfig
-from kdt.reference.ddtree import Tree, build_tree, follow_verified_tree, target_choice_greedy, target_choice_sample
+from kdt.reference.ddtree import (
+    Tree,
+    build_tree,
+    follow_verified_tree,
+    target_choice_greedy,
+    target_choice_sample,
+)
 from kdt.reference.model import causal_block
 
 

@@ -1,0 +1,324 @@
+"""`kdt bench`: throughput and latency against the physical floor (SPEC section 5) and a peer.
+
+Every timed forward is reported beside its floor: the bytes it must read once (attention and dense
+weights, the union of routed experts its tokens select plus the shared experts, the lm_head, the M
+embedding rows, the KV cache [0, L) of every layer) over the copy bandwidth measured in the same run.
+The peer is transformers' DeepseekV3ForCausalLM on the same weights and device, when importable.
+Timings: CUDA events (or the host clock on the CPU backend) after warm-up, median of repeats.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kdt.config import ModelConfig
+from kdt.drafters import OracleDrafter, SuffixDrafter
+from kdt.reference.ddtree import build_tree
+from kdt.reference.decode import TreeOps, ar_generate, generate
+from kdt.reference.model import causal_block
+
+
+@dataclass
+class Row:
+    name: str  # e.g. "prefill P=512", "verify n=64 L=8192"
+    kind: str  # prefill | decode | verify | stage | bandwidth
+    value: float  # tokens/s for throughput rows, ms for latency rows
+    unit: str
+    time_ms: float = float("nan")  # median time of the measured unit (one forward / one step)
+    floor_ms: float = float("nan")
+    peer: float = float("nan")  # the peer's value in the same unit
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def x_floor(self) -> float:
+        return self.time_ms / self.floor_ms if self.floor_ms == self.floor_ms and self.floor_ms > 0 else float("nan")
+
+    @property
+    def vs_peer(self) -> float:
+        return self.value / self.peer if self.peer == self.peer and self.peer > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), x_floor=self.x_floor, vs_peer=self.vs_peer)
+
+
+# ---- clocks and bandwidth --------------------------------------------------------------------------
+class Clock:
+    """Times a callable: CUDA events on the GPU backend, the host clock on the CPU backend."""
+
+    def __init__(self, backend: str):
+        self.gpu = backend == "cuda"
+
+    def sync(self) -> None:
+        if self.gpu:
+            from numba import cuda
+
+            cuda.synchronize()
+
+    def time_ms(self, fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(repeats):
+            if self.gpu:
+                from numba import cuda
+
+                e0, e1 = cuda.event(), cuda.event()
+                e0.record()
+                fn()
+                e1.record()
+                e1.synchronize()
+                times.append(cuda.event_elapsed_time(e0, e1))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def copy_bandwidth(clock: Clock, nbytes: int) -> float:
+    """Bytes/s of a device-to-device (or host memcpy) copy, counting bytes read plus written."""
+    n = nbytes // 4
+    if clock.gpu:
+        from numba import cuda
+
+        a, b = cuda.device_array(n, np.float32), cuda.device_array(n, np.float32)
+        ms = clock.time_ms(lambda: b.copy_to_device(a), repeats=10, warmup=2)
+    else:
+        a, b = np.ones(n, np.float32), np.empty(n, np.float32)
+        ms = clock.time_ms(lambda: np.copyto(b, a), repeats=5, warmup=1)
+    return 2 * n * 4 / (ms * 1e-3)
+
+
+# ---- the floor of SPEC section 5 -------------------------------------------------------------------
+def forward_bytes(cfg: ModelConfig, wbytes: int, M: int, L: int, experts_per_layer: list[int] | None) -> int:
+    """Bytes one forward of M tokens at prefix L must read once. ``experts_per_layer``: the number of
+    distinct routed experts the M tokens select in each MoE layer (None: the uniform expectation)."""
+    D, H, V, E = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size, cfg.n_routed_experts
+    Rkv, dr, dn, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    attn = (Rkv + dr) * D + H * (dn + dv) * Rkv + D * H * dv
+    attn += (cfg.q_lora_rank * D + H * (dn + dr) * cfg.q_lora_rank) if cfg.q_lora_rank else H * (dn + dr) * D
+    total = cfg.num_hidden_layers * (attn * wbytes + 4 * (2 * D + Rkv + (cfg.q_lora_rank or 0)))
+    total += cfg.first_k_dense_replace * 3 * D * cfg.intermediate_size * wbytes
+    expert = 3 * D * cfg.moe_intermediate_size * wbytes
+    k = cfg.num_experts_per_tok
+    for j in range(cfg.n_moe_layers):
+        sel = experts_per_layer[j] if experts_per_layer else E * (1 - (1 - k / E) ** M)
+        total += sel * expert + cfg.n_shared_experts * expert + 4 * E * (D + 1)
+    total += V * D * wbytes + M * D * wbytes + 4 * D  # lm_head, embedding rows, final norm
+    total += cfg.num_hidden_layers * L * (Rkv + dr) * 4  # the latent cache
+    return int(total)
+
+
+# ---- stage timing of a DDTree step -----------------------------------------------------------------
+class StageTimer:
+    """Wraps a target, its tree ops and a drafter so that each stage's time is accumulated (the GPU is
+    synchronised at each stage boundary, so this run is slower than an untimed one)."""
+
+    STAGES = ("draft", "tree build", "verify", "target choice", "accept", "compaction")
+
+    def __init__(self, clock: Clock):
+        self.clock, self.t = clock, dict.fromkeys(self.STAGES, 0.0)
+
+    def wrap(self, stage: str, fn):
+        def timed(*a, **kw):
+            self.clock.sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            self.clock.sync()
+            self.t[stage] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+    def instrument(self, target, drafter):
+        ops = getattr(target, "tree_ops", None) or TreeOps()
+        timed_ops = type("TimedOps", (), {})()
+        timed_ops.build = self.wrap("tree build", ops.build)
+        timed_ops.choose = self.wrap("target choice", ops.choose)
+        timed_ops.accept = self.wrap("accept", ops.accept)
+        target.forward = self.wrap("verify", target.forward)
+        target.compact = self.wrap("compaction", target.compact)
+        drafter.draft = self.wrap("draft", drafter.draft)
+        return timed_ops
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------
+@dataclass
+class BenchConfig:
+    prefill_sizes: tuple[int, ...] = (128, 512, 2048)
+    decode_tokens: int = 64
+    prompt_len: int = 64
+    tree_sizes: tuple[int, ...] = (1, 4, 16, 64, 128, 256)
+    tree_prefixes: tuple[int, ...] = (512, 8192)
+    budget: int = 64
+    block_size: int = 8
+    repeats: int = 5
+    bandwidth_bytes: int = 1 << 30
+
+    @classmethod
+    def quick(cls) -> BenchConfig:
+        return cls(prefill_sizes=(16, 64), decode_tokens=16, prompt_len=8, tree_sizes=(1, 4, 16),
+                   tree_prefixes=(16, 64), budget=16, repeats=2, bandwidth_bytes=1 << 26)
+
+
+def _experts_selected(target, tokens, positions, L, mask) -> list[int] | None:
+    """Distinct experts per MoE layer for this forward (CUDA: read back from the router; CPU: None)."""
+    if not hasattr(target, "record_experts"):
+        return None
+    target.record_experts = []
+    target.forward(tokens, positions, L, mask)
+    rec, target.record_experts = target.record_experts, None
+    return rec
+
+
+def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConfig,
+              log: Callable[[str], None] = print, peer=None) -> tuple[list[Row], float]:
+    """All measurements of one target. Returns the rows and the measured copy bandwidth (bytes/s)."""
+    clock = Clock(backend)
+    rng = np.random.default_rng(0)
+    V = cfg.vocab_size
+    bw = copy_bandwidth(clock, bc.bandwidth_bytes)
+    rows = [Row("copy bandwidth", "bandwidth", bw / 1e9, "GB/s")]
+    log(f"copy bandwidth {bw / 1e9:.1f} GB/s")
+
+    def floor_ms(M, L, tokens, positions, mask):
+        sel = _experts_selected(target, tokens, positions, L, mask)
+        return forward_bytes(cfg, wbytes, M, L, sel) / bw * 1e3
+
+    if peer is not None:  # the peer must compute the same model: compare logits once
+        toks = rng.integers(0, V, 8)
+        mine = np.asarray(target.forward(toks, np.arange(8), 0, causal_block(8)), dtype=np.float64)
+        theirs = peer.logits(toks).astype(np.float64)
+        err_rel = float(np.linalg.norm(mine - theirs) / np.linalg.norm(mine))
+        rows.append(Row("peer logits rel. difference", "check", err_rel, "rel"))
+        log(f"peer logits vs kdt: relative difference {err_rel:.2e}")
+
+    for P in bc.prefill_sizes:
+        if P > target.max_len:
+            continue
+        toks, pos, mask = rng.integers(0, V, P), np.arange(P), causal_block(P)
+        ms = clock.time_ms(lambda t=toks, p=pos, m=mask: target.forward(t, p, 0, m), bc.repeats)
+        r = Row(f"prefill P={P}", "prefill", P / ms * 1e3, "tok/s", ms, floor_ms(P, 0, toks, pos, mask))
+        if peer is not None:
+            r.peer = peer.prefill_tokens_per_s(toks)
+        rows.append(r)
+        log(f"{r.name}: {r.value:.1f} tok/s ({ms:.2f} ms)")
+
+    prompt = rng.integers(0, V, bc.prompt_len)
+    ar_generate(target, prompt, 4)  # warm-up (JIT)
+    ar = ar_generate(target, prompt, bc.decode_tokens)
+    L = bc.prompt_len + bc.decode_tokens // 2
+    one = np.ones((1, 1), bool)
+    step_ms = ar.decode_s / max(ar.steps, 1) * 1e3
+    r = Row("decode AR", "decode", len(ar.tokens) / ar.decode_s, "tok/s", step_ms,
+            floor_ms(1, L, prompt[:1], [L], one), extra={"steps": ar.steps})
+    if peer is not None:
+        r.peer = peer.decode_tokens_per_s(prompt, bc.decode_tokens)
+    rows.append(r)
+    log(f"{r.name}: {r.value:.1f} tok/s")
+
+    seq = np.concatenate([prompt, ar.tokens, rng.integers(0, V, 64)])
+    for name, drafter in (("oracle", OracleDrafter(seq, V)), ("noisy", OracleDrafter(seq, V, noise=0.3, seed=1)),
+                          ("suffix", SuffixDrafter(V))):
+        res = generate(target, prompt, bc.decode_tokens, drafter=drafter, budget=bc.budget,
+                       block_size=bc.block_size)
+        per_step = res.decode_s / max(res.steps, 1) * 1e3
+        n = bc.budget + 1
+        tree_floor = floor_ms(n, L, rng.integers(0, V, n), L + np.arange(n) % bc.block_size, np.eye(n, dtype=bool))
+        # the peer column holds the peer's AR decode: DDTree is compared with plain decoding
+        rows.append(Row(f"decode DDTree {name}", "decode", len(res.tokens) / res.decode_s, "tok/s", per_step,
+                        tree_floor, peer=r.peer,
+                        extra={"avg_accept": res.avg_accept, "steps": res.steps, "budget": bc.budget,
+                               "block_size": bc.block_size, "vs_kdt_ar": len(res.tokens) / res.decode_s / r.value}))
+        log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}")
+
+    for Lp in bc.tree_prefixes:
+        for n in bc.tree_sizes:
+            if Lp + n > target.max_len:
+                continue
+            D = max(1, min(bc.block_size - 1, n))
+            logp = np.log(rng.dirichlet(np.ones(max(n, 2)), size=D)[:, : max(n - 1, 1)]).astype(np.float32)
+            tree = build_tree(0, rng.integers(0, V, logp.shape), -np.sort(-logp, axis=1), n - 1)
+            toks, pos = tree.tokens, tree.positions(Lp)
+            ms = clock.time_ms(lambda t=toks, p=pos, L0=Lp, v=tree.visibility: target.forward(t, p, L0, v),
+                               bc.repeats)
+            rows.append(Row(f"verify n={tree.n} L={Lp}", "verify", ms, "ms", ms,
+                            floor_ms(tree.n, Lp, toks, pos, tree.visibility)))
+            log(f"{rows[-1].name}: {ms:.3f} ms (floor {rows[-1].floor_ms:.3f})")
+
+    st = StageTimer(clock)
+    drafter = OracleDrafter(seq, V)
+    target_forward, target_compact = target.forward, target.compact
+    ops = st.instrument(target, drafter)
+    t0 = time.perf_counter()
+    res = generate(target, prompt, bc.decode_tokens, drafter=drafter, budget=bc.budget, block_size=bc.block_size,
+                   ops=ops)
+    total = time.perf_counter() - t0
+    target.forward, target.compact = target_forward, target_compact
+    steps = max(res.steps, 1)
+    prefill_part = res.prefill_s
+    staged = sum(st.t.values())
+    for stage, secs in st.t.items():
+        share = secs - (prefill_part if stage == "verify" else 0.0)
+        rows.append(Row(f"stage {stage}", "stage", share / steps * 1e3, "ms/step"))
+    rows.append(Row("stage host bookkeeping", "stage", max(total - staged, 0.0) / steps * 1e3, "ms/step"))
+    return rows, bw
+
+
+def environment(backend: str) -> dict:
+    import numba
+
+    env = {"python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__,
+           "backend": backend, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        from importlib.metadata import version
+
+        env["numba_cuda"] = version("numba-cuda")
+    except Exception:  # noqa: BLE001
+        pass
+    if backend == "cuda":
+        from numba import cuda
+
+        dev = cuda.get_current_device()
+        env["device"] = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        env["compute_capability"] = list(dev.compute_capability)
+    else:
+        env["device"] = platform.processor() or platform.machine()
+    return env
+
+
+def plot(rows: list[Row], path) -> None:
+    """Verify cost curve (latency and floor vs tree size, per prefix) and the DDTree stage breakdown."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from kdt.errors import KdtError
+
+        raise KdtError("--plot needs matplotlib (pip install matplotlib)") from None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    curves: dict[str, list[tuple[int, float, float]]] = {}
+    for r in rows:
+        if r.kind == "verify":
+            n, L = (int(p.split("=")[1]) for p in r.name.split()[1:])
+            curves.setdefault(f"L={L}", []).append((n, r.time_ms, r.floor_ms))
+    for label, pts in curves.items():
+        pts.sort()
+        a.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"kdt {label}")
+        a.plot([p[0] for p in pts], [p[2] for p in pts], "--", label=f"floor {label}")
+    a.set(xscale="log", xlabel="tree nodes", ylabel="forward ms", title="verify cost")
+    a.legend()
+    stages = [r for r in rows if r.kind == "stage"]
+    b.barh([r.name.removeprefix("stage ") for r in stages], [r.value for r in stages])
+    b.set(xlabel="ms per DDTree step", title="stage breakdown")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

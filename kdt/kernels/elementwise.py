@@ -1,0 +1,369 @@
+"""Small memory-bound kernels around the projections: embedding gather, RMSNorm, SiLU-and-multiply,
+residual add and the row-wise argmax of the logits.
+
+All activations are float32; tables/weights may be float32 or bf16 stored as uint16 (widened with
+:func:`kdt.kernels.common.bf16_to_f32`). Every wrapper takes device arrays and preallocated outputs,
+launches on ``stream`` and returns without synchronising.
+
+Block reductions (RMSNorm's sum of squares, argmax's (value, index) pairs) use warp shuffles plus one
+shared-memory exchange between warps on the GPU and a shared-memory tree in the simulator, which
+has no shuffles (chosen with ``IS_SIM`` at import). NumPy references: :mod:`kdt.reference.ops`
+(``rmsnorm``, ``silu``) and plain NumPy (``embed[tokens]``, ``x + y``, ``np.argmax(logits, -1)``).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+from numba import cuda, float32, float64, int32, int64, uint16
+
+from kdt.kernels.common import IS_SIM, WARP, cdiv, register_ptx, weight_loader
+
+__all__ = ["embedding", "rmsnorm", "silu_mul", "add", "argmax_rows"]
+
+# threads per block. Smaller in the simulator (every thread is a Python thread there); the kernels are
+# the same code for any power-of-two block size >= 32.
+EW_THREADS = 64 if IS_SIM else 256  # elementwise kernels: one block covers EW_THREADS columns of a row
+NORM_THREADS = 64 if IS_SIM else 512  # rmsnorm: one block per row
+ARGMAX_THREADS = 64 if IS_SIM else 1024  # argmax: one block per row
+ARGMAX_UNROLL = 8  # logits loaded per thread before they are compared (loads in flight)
+_INT32_MAX = 2**31 - 1
+
+# ---- block reductions ------------------------------------------------------------------------------
+if IS_SIM:
+
+    @cuda.jit(device=True)
+    def _block_sum(v, red):
+        """Sum of v over the block (every thread gets it). red: shared float32[blockDim.x]."""
+        tid = cuda.threadIdx.x
+        red[tid] = v
+        cuda.syncthreads()
+        s = cuda.blockDim.x // 2
+        while s > 0:
+            if tid < s:
+                red[tid] += red[tid + s]
+            cuda.syncthreads()
+            s //= 2
+        tot = red[0]
+        cuda.syncthreads()
+        return tot
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def _warp_sum(v):
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 16)
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 8)
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 4)
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+        return v
+
+    @cuda.jit(device=True, inline=True)
+    def _block_sum(v, red):
+        """Sum of v over the block (every thread gets it). red: shared float32[>= blockDim.x / 32]."""
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        v = _warp_sum(v)
+        if lane == 0:
+            red[warp] = v
+        cuda.syncthreads()
+        if warp == 0:
+            v = red[lane] if lane < cuda.blockDim.x // WARP else float32(0.0)
+            v = _warp_sum(v)
+            if lane == 0:
+                red[0] = v
+        cuda.syncthreads()
+        tot = red[0]
+        cuda.syncthreads()
+        return tot
+
+
+@cuda.jit(device=True, inline=True)
+def _better(a, ia, b, ib):
+    """(a, ia) beats (b, ib) under np.argmax order: NaN is largest; equal values -> lower index."""
+    if a != a:
+        return b == b or ia < ib
+    if b != b:
+        return False
+    return a > b or (a == b and ia < ib)
+
+
+if IS_SIM:
+
+    @cuda.jit(device=True)
+    def _block_argmax(v, i, redv, redi):
+        """Index of the best (v, i) of the block. redv/redi: shared float32/int32[blockDim.x]."""
+        tid = cuda.threadIdx.x
+        redv[tid] = v
+        redi[tid] = i
+        cuda.syncthreads()
+        s = cuda.blockDim.x // 2
+        while s > 0:
+            if tid < s and _better(redv[tid + s], redi[tid + s], redv[tid], redi[tid]):
+                redv[tid] = redv[tid + s]
+                redi[tid] = redi[tid + s]
+            cuda.syncthreads()
+            s //= 2
+        return redi[0]
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def _warp_argmax(v, i):
+        for o in (16, 8, 4, 2, 1):
+            ov = cuda.shfl_xor_sync(0xFFFFFFFF, v, o)
+            oi = cuda.shfl_xor_sync(0xFFFFFFFF, i, o)
+            if _better(ov, oi, v, i):
+                v = ov
+                i = oi
+        return v, i
+
+    @cuda.jit(device=True, inline=True)
+    def _block_argmax(v, i, redv, redi):
+        """Index of the best (v, i) of the block. redv/redi: shared float32/int32[>= blockDim.x / 32]."""
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        v, i = _warp_argmax(v, i)
+        if lane == 0:
+            redv[warp] = v
+            redi[warp] = i
+        cuda.syncthreads()
+        if warp == 0:
+            if lane < cuda.blockDim.x // WARP:
+                v = redv[lane]
+                i = redi[lane]
+            else:
+                v = float32(-np.inf)
+                i = int32(_INT32_MAX)
+            v, i = _warp_argmax(v, i)
+            if lane == 0:
+                redi[0] = i
+        cuda.syncthreads()
+        return redi[0]
+
+
+# ---- embedding --------------------------------------------------------------------------------------
+@cache
+def _embedding_kernel(dtype):
+    load = weight_loader(dtype)
+
+    @cuda.jit
+    def embedding_kernel(tokens, embed, x):
+        """tokens[M] int64, embed[V, D] f32|uint16(bf16), x[M, D] f32: x[m] = embed[tokens[m]].
+
+        grid = (cdiv(D, EW_THREADS), M)."""
+        m = cuda.blockIdx.y
+        d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if d < x.shape[1]:
+            x[m, d] = load(embed[tokens[m], d])
+
+    return embedding_kernel
+
+
+def embedding(tokens, embed, x, stream=0) -> None:
+    """x[M, D] = embed[tokens[M], :] (float32 out; embed float32 or bf16-as-uint16 [V, D]).
+
+    Token ids must lie in [0, V) (not checked on the device)."""
+    (M,) = tokens.shape
+    V, D = embed.shape
+    if tuple(x.shape) != (M, D):
+        raise ValueError(f"embedding: tokens {tuple(tokens.shape)}, embed {tuple(embed.shape)}, "
+                         f"x {tuple(x.shape)}")
+    if M == 0:
+        return
+    _embedding_kernel(np.dtype(embed.dtype))[(cdiv(D, EW_THREADS), M), EW_THREADS, stream](tokens, embed, x)
+
+
+# ---- rmsnorm ----------------------------------------------------------------------------------------
+@cache
+def _rmsnorm_kernel(dtype):
+    load = weight_loader(dtype)
+    RED = NORM_THREADS if IS_SIM else WARP
+
+    @cuda.jit
+    def rmsnorm_kernel(x, w, eps, y, ncols):
+        """x[M, >= ncols] f32, w[ncols] f32|uint16(bf16), y[M, >= ncols] f32:
+        y[m, :ncols] = x[m, :ncols] / sqrt(mean(x[m, :ncols]^2) + eps) * w. grid = M blocks (one per row).
+        """
+        red = cuda.shared.array(RED, float32)
+        m = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        # sum of squares, 4 independent loads / partial sums in flight per thread
+        s0 = float32(0.0)
+        s1 = float32(0.0)
+        s2 = float32(0.0)
+        s3 = float32(0.0)
+        j = tid
+        while j + 3 * nt < ncols:
+            v0 = x[m, j]
+            v1 = x[m, j + nt]
+            v2 = x[m, j + 2 * nt]
+            v3 = x[m, j + 3 * nt]
+            s0 += v0 * v0
+            s1 += v1 * v1
+            s2 += v2 * v2
+            s3 += v3 * v3
+            j += 4 * nt
+        while j < ncols:
+            v0 = x[m, j]
+            s0 += v0 * v0
+            j += nt
+        ss = _block_sum((s0 + s1) + (s2 + s3), red)
+        inv = float32(1.0) / math.sqrt(ss / float32(ncols) + float32(eps))
+        for j in range(tid, ncols, nt):
+            y[m, j] = x[m, j] * inv * load(w[j])
+
+    return rmsnorm_kernel
+
+
+def rmsnorm(x, w, eps: float, y, ncols: int | None = None, stream=0) -> None:
+    """RMSNorm of the first ``ncols`` columns of each row: y[m, :ncols] = x[m, :ncols] * rsqrt(mean(x[m,
+    :ncols]^2) + eps) * w[:ncols].
+
+    x: float32 [M, Nx] (Nx >= ncols; e.g. the [M, Rkv + dr] output of kv_a_proj_with_mqa with
+    ncols = Rkv); w: float32 or bf16-as-uint16 [ncols]; y: float32 [M, Ny] (Ny >= ncols; columns
+    >= ncols untouched). ``ncols`` defaults to ``x.shape[1]``. x and y may also be non-contiguous views
+    (e.g. ``buf[:, :Rkv]``) and y may be x (in place).
+    """
+    M, Nx = x.shape
+    ncols = Nx if ncols is None else int(ncols)
+    if not (0 < ncols <= Nx and ncols <= y.shape[1] and y.shape[0] == M and tuple(w.shape) == (ncols,)):
+        raise ValueError(f"rmsnorm: x {tuple(x.shape)}, w {tuple(w.shape)}, y {tuple(y.shape)}, "
+                         f"ncols {ncols}")
+    if M == 0:
+        return
+    _rmsnorm_kernel(np.dtype(w.dtype))[M, NORM_THREADS, stream](x, w, float(eps), y, ncols)
+
+
+# ---- silu_mul ---------------------------------------------------------------------------------------
+@cuda.jit
+def silu_mul_kernel(g, u, out):
+    """g[M, I], u[M, I], out[M, I] f32: out = silu(g) * u = g / (1 + exp(-g)) * u. grid = (cdiv(I, EW), M)."""
+    m = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < out.shape[1]:
+        gv = g[m, i]
+        out[m, i] = gv / (float32(1.0) + math.exp(-gv)) * u[m, i]
+
+
+def silu_mul(g, u, out, stream=0) -> None:
+    """out[M, I] = silu(g[M, I]) * u[M, I] (float32; separate gate / up buffers; out may be g or u)."""
+    if not (tuple(g.shape) == tuple(u.shape) == tuple(out.shape) and len(out.shape) == 2):
+        raise ValueError(f"silu_mul: g {tuple(g.shape)}, u {tuple(u.shape)}, out {tuple(out.shape)}")
+    M, I = out.shape
+    if M == 0 or I == 0:
+        return
+    silu_mul_kernel[(cdiv(I, EW_THREADS), M), EW_THREADS, stream](g, u, out)
+
+
+# ---- add ----------------------------------------------------------------------------------------------
+@cuda.jit
+def add_kernel(x, y, out):
+    """x[M, N], y[M, N], out[M, N] f32: out = x + y. grid = (cdiv(N, EW), M)."""
+    m = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < out.shape[1]:
+        out[m, i] = x[m, i] + y[m, i]
+
+
+def add(x, y, out, stream=0) -> None:
+    """out = x + y for float32 [M, N] (or [N]) arrays; ``add(x, y, x)`` is the in-place residual add."""
+    if not (tuple(x.shape) == tuple(y.shape) == tuple(out.shape)):
+        raise ValueError(f"add: x {tuple(x.shape)}, y {tuple(y.shape)}, out {tuple(out.shape)}")
+    if len(out.shape) == 1:
+        x, y, out = x.reshape(1, -1), y.reshape(1, -1), out.reshape(1, -1)
+    M, N = out.shape
+    if M == 0 or N == 0:
+        return
+    add_kernel[(cdiv(N, EW_THREADS), M), EW_THREADS, stream](x, y, out)
+
+
+# ---- argmax -----------------------------------------------------------------------------------------
+@cuda.jit
+def argmax_rows_kernel(logits, out):
+    """logits[M, V] f32, out[M] int64: out[m] = np.argmax(logits[m]) (first maximum; a NaN counts as
+    the maximum, like NumPy). grid = M blocks (one per row) of ARGMAX_THREADS threads; each thread scans
+    k = tid, tid + nt, .. in increasing order, ARGMAX_UNROLL loads in flight."""
+    red_v = cuda.shared.array(ARGMAX_THREADS, float32)
+    red_i = cuda.shared.array(ARGMAX_THREADS, int32)
+    m = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    bv = float32(-np.inf)
+    bi = int32(_INT32_MAX)  # loses every tie against a real index
+    base = 0
+    while base + (ARGMAX_UNROLL - 1) * nt + tid < V:  # full groups: loads first, then compares
+        v0 = logits[m, base + tid]
+        v1 = logits[m, base + nt + tid]
+        v2 = logits[m, base + 2 * nt + tid]
+        v3 = logits[m, base + 3 * nt + tid]
+        v4 = logits[m, base + 4 * nt + tid]
+        v5 = logits[m, base + 5 * nt + tid]
+        v6 = logits[m, base + 6 * nt + tid]
+        v7 = logits[m, base + 7 * nt + tid]
+        j = int32(base + tid)
+        if _better(v0, j, bv, bi):
+            bv, bi = v0, j
+        if _better(v1, j + nt, bv, bi):
+            bv, bi = v1, int32(j + nt)
+        if _better(v2, j + 2 * nt, bv, bi):
+            bv, bi = v2, int32(j + 2 * nt)
+        if _better(v3, j + 3 * nt, bv, bi):
+            bv, bi = v3, int32(j + 3 * nt)
+        if _better(v4, j + 4 * nt, bv, bi):
+            bv, bi = v4, int32(j + 4 * nt)
+        if _better(v5, j + 5 * nt, bv, bi):
+            bv, bi = v5, int32(j + 5 * nt)
+        if _better(v6, j + 6 * nt, bv, bi):
+            bv, bi = v6, int32(j + 6 * nt)
+        if _better(v7, j + 7 * nt, bv, bi):
+            bv, bi = v7, int32(j + 7 * nt)
+        base += ARGMAX_UNROLL * nt
+    for k in range(base + tid, V, nt):  # tail
+        v = logits[m, k]
+        if _better(v, int32(k), bv, bi):
+            bv, bi = v, int32(k)
+    best = _block_argmax(bv, bi, red_v, red_i)
+    if tid == 0:
+        out[m] = int64(best)
+
+
+assert ARGMAX_UNROLL == 8  # the kernel body above is written out for 8
+
+
+def argmax_rows(logits, out, stream=0) -> None:
+    """out[m] = argmax(logits[m, :]) as int64, exactly np.argmax (ties -> lowest index, NaN wins).
+
+    logits: float32 [M, V] (V < 2^31); out: int64 [M]."""
+    M, V = logits.shape
+    if tuple(out.shape) != (M,) or V == 0:
+        raise ValueError(f"argmax_rows: logits {tuple(logits.shape)}, out {tuple(out.shape)}")
+    if M == 0:
+        return
+    argmax_rows_kernel[M, ARGMAX_THREADS, stream](logits, out)
+
+
+# ---- sm_90 compile check ---------------------------------------------------------------------------
+def _register() -> None:
+    f1, f2, f2a = float32[::1], float32[:, ::1], float32[:, :]
+    for wt, dt in ((float32, np.float32), (uint16, np.uint16)):
+        register_ptx(_embedding_kernel(np.dtype(dt)), (int64[::1], wt[:, ::1], f2),
+                     name=f"embedding_{dt.__name__}")
+        register_ptx(_rmsnorm_kernel(np.dtype(dt)), (f2, wt[::1], float64, f2, int64),
+                     name=f"rmsnorm_{dt.__name__}")
+    # rmsnorm of a column slice (buf[:, :Rkv]): non-contiguous 'A' layout arrays
+    register_ptx(_rmsnorm_kernel(np.dtype(np.float32)), (f2a, f1, float64, f2a, int64),
+                 name="rmsnorm_A_layout")
+    register_ptx(silu_mul_kernel, (f2, f2, f2))
+    register_ptx(add_kernel, (f2, f2, f2))
+    register_ptx(argmax_rows_kernel, (f2, int64[::1]))
+
+
+_register()

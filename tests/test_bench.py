@@ -1,0 +1,55 @@
+"""`kdt bench --preset tiny --quick` on the CPU backend writes a complete JSON (structure only: no
+timing assertions; benchmarks are not tests)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kdt.bench import forward_bytes
+from kdt.config import preset
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_quick_cpu_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-m", "kdt.cli", "bench", "--preset", "tiny", "--quick", "--backend", "cpu",
+                        "--json", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["kdt_bench_version"] == 1 and doc["environment"]["backend"] == "cpu"
+    assert doc["config"]["hidden_size"] == 256 and doc["copy_bandwidth_GBps"] > 0
+    rows = {row["name"]: row for row in doc["rows"]}
+    for name in ("prefill P=16", "prefill P=64", "decode AR", "decode DDTree oracle", "decode DDTree noisy",
+                 "decode DDTree suffix", "verify n=1 L=16", "verify n=16 L=64", "stage draft", "stage tree build",
+                 "stage verify", "stage accept", "stage compaction", "stage host bookkeeping"):
+        assert name in rows, name
+    for name, row in rows.items():
+        assert set(row) >= {"kind", "value", "unit", "time_ms", "floor_ms", "x_floor", "peer", "vs_peer"}, name
+        if row["kind"] in ("prefill", "decode", "verify"):
+            assert row["value"] > 0 and row["floor_ms"] > 0 and row["x_floor"] > 0, name
+    assert rows["decode DDTree oracle"]["extra"]["avg_accept"] == 8.0  # block 8, full acceptance
+    if "peer logits rel. difference" in rows:  # transformers installed: the peer computes the same model
+        assert rows["peer logits rel. difference"]["value"] < 1e-4
+        assert rows["decode AR"]["peer"] > 0
+
+
+def test_floor_bytes_count_weights_experts_and_cache():
+    cfg = preset("moonlight-16b-a3b")
+    one = forward_bytes(cfg, 2, 1, 0, [6] * cfg.n_moe_layers)
+    # Moonlight reads about 2.6B parameters per token in bf16 (the activated set incl. embeddings/lm_head)
+    assert 2.2e9 * 2 < one < 3.2e9 * 2
+    more_experts = forward_bytes(cfg, 2, 1, 0, [7] * cfg.n_moe_layers)
+    assert more_experts - one == cfg.n_moe_layers * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    with_cache = forward_bytes(cfg, 2, 1, 1000, [6] * cfg.n_moe_layers)
+    assert with_cache - one == cfg.num_hidden_layers * 1000 * (512 + 64) * 4
+    # the uniform expectation of distinct experts lies between k and E
+    est = forward_bytes(cfg, 2, 16, 0, None)
+    assert forward_bytes(cfg, 2, 16, 0, [6] * 26) < est < forward_bytes(cfg, 2, 16, 0, [64] * 26)
+    assert math.isfinite(float(np.float64(est)))

@@ -1,0 +1,268 @@
+"""DDTree kernels (kdt.kernels.ddtree) against the NumPy reference: exact equality of every output.
+
+Simulator runs (``kernels``) are small: R <= 2, budgets <= 17, 32 threads per block. The ``gpu`` tests
+sweep real sizes (budgets up to 256, D up to 15, K up to 16, several requests at once).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from kdt.kernels.ddtree import (
+    _LOGP_CAP,
+    _NODE_CAP,
+    MAX_BUDGET,
+    AcceptBuffers,
+    TreeBuffers,
+    accept_gpu,
+    build_tree_gpu,
+    compact_gpu,
+)
+from kdt.reference.ddtree import Tree, build_tree, compact_cache, follow_verified_tree
+from kdt.testing import poisoned
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def random_drafts(rng, R: int, D: int, K: int, ties: bool):
+    """root [R], tokens [R, D, K] (small vocabulary: duplicate tokens happen), logp [R, D, K], L [R].
+    ``ties``: log-probs drawn from {-1, -2, -3}, so equal scores are common."""
+    root = rng.integers(0, 8, size=R).astype(np.int64)
+    tokens = rng.integers(0, 8, size=(R, D, K)).astype(np.int64)
+    if ties:
+        logp = rng.choice(np.array([-1.0, -2.0, -3.0], np.float32), size=(R, D, K))
+    else:
+        logp = -np.sort(rng.exponential(2.0, size=(R, D, K)), axis=-1)  # descending per depth
+    L = rng.integers(0, 1000, size=R).astype(np.int64)
+    return root, tokens, logp.astype(np.float32), L
+
+
+def padded_reference(tree: Tree, L: int, nmax: int) -> dict[str, np.ndarray]:
+    """The kernel's per-request outputs for a reference tree: slots >= n hold -1, visibility 0."""
+    n = tree.n
+
+    def pad(a, dtype):
+        out = np.full(nmax, -1, dtype)
+        out[:n] = a
+        return out
+
+    vis = np.zeros((nmax, nmax), np.uint8)
+    vis[:n, :n] = tree.visibility
+    return dict(
+        tokens=pad(tree.tokens, np.int64),
+        depth=pad(tree.depth, np.int32),
+        parent=pad(tree.parent, np.int32),
+        first_child=pad(tree.first_child, np.int32),
+        next_sibling=pad(tree.next_sibling, np.int32),
+        positions=pad(tree.positions(L), np.int64),
+        visibility=vis,
+        n_nodes=np.int32(n),
+    )
+
+
+def poison(shape, dtype) -> np.ndarray:
+    """kdt.testing.poisoned, plus 0xAB for uint8 (poisoned's -7777 does not fit)."""
+    if np.dtype(dtype) == np.uint8:
+        return np.full(shape, 0xAB, np.uint8)
+    return poisoned(shape, dtype)
+
+
+def poisoned_tree_buffers(R: int, nmax: int) -> TreeBuffers:
+    shapes = dict(visibility=(R, nmax, nmax), n_nodes=(R,))
+    dtypes = dict(tokens=np.int64, positions=np.int64, visibility=np.uint8)
+    return TreeBuffers(
+        *(
+            cuda.to_device(poison(shapes.get(f, (R, nmax)), dtypes.get(f, np.int32)))
+            for f in TreeBuffers._fields
+        )
+    )
+
+
+def following_choices(tree: Tree, rng, nmax: int, p_follow: float = 0.8) -> np.ndarray:
+    """[nmax] target choices: a random child's token with probability p_follow, else a random token."""
+    tc = rng.integers(0, 8, size=nmax).astype(np.int64)
+    for i in range(tree.n):
+        kids = tree.children(i)
+        if kids and rng.random() < p_follow:
+            tc[i] = tree.tokens[rng.choice(kids)]
+    return tc
+
+
+def check_build_and_accept(rng, R, D, K, budget, ties, nmax=None, threads=32):
+    """Build + accept on the device with poisoned outputs; every output equals the reference."""
+    nmax = budget + 1 if nmax is None else nmax
+    root, tokens, logp, L = random_drafts(rng, R, D, K, ties)
+    out = poisoned_tree_buffers(R, nmax)
+    got = build_tree_gpu(root, tokens, logp, budget, L, out=out, threads=threads)  # numpy in -> numpy out
+    trees = [build_tree(root[r], tokens[r], logp[r], budget) for r in range(R)]
+    for r, tree in enumerate(trees):
+        ref = padded_reference(tree, L[r], nmax)
+        for name, want in ref.items():
+            have = getattr(got, name)[r]
+            assert have.dtype == np.asarray(want).dtype, name
+            np.testing.assert_array_equal(have, want, err_msg=f"{name} r={r} budget={budget} D={D} K={K}")
+
+    tc = np.stack([following_choices(t, rng, nmax) for t in trees])
+    acc_out = AcceptBuffers(
+        cuda.to_device(poisoned((R, nmax), np.int32)),
+        cuda.to_device(poisoned(R, np.int32)),
+        cuda.to_device(poisoned(R, np.int64)),
+    )
+    acc = accept_gpu(
+        got.first_child, got.next_sibling, got.tokens, tc, got.n_nodes, out=acc_out, threads=threads
+    )
+    for r, tree in enumerate(trees):
+        accepted, bonus = follow_verified_tree(tree, tc[r, : tree.n])
+        want = np.full(nmax, -1, np.int32)
+        want[: accepted.size] = accepted
+        np.testing.assert_array_equal(acc.accepted[r], want)
+        assert acc.n_accepted[r] == accepted.size and acc.bonus[r] == bonus
+    return trees, acc
+
+
+# ------------------------------------------------------------------------------------------------ simulator
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("budget", [0, 1, 2, 5, 17])
+@pytest.mark.parametrize("D", [1, 2, 5])
+def test_tree_build_accept_parity(rng, budget, D):
+    for ties in (True, True, False):
+        K = int(rng.integers(1, 5))
+        check_build_and_accept(rng, R=2, D=D, K=K, budget=budget, ties=ties)
+
+
+@pytest.mark.kernels
+def test_tree_build_ties_hand_computed():
+    """All-equal log-probs: the kernel breaks ties by push order, like the reference (rank-major)."""
+    tokens = np.array([[[10, 11, 12], [20, 21, 22]]], np.int64)
+    logp = np.full((1, 2, 3), -1.0, np.float32)
+    got = build_tree_gpu(np.array([99]), tokens, logp, 9, np.array([4]), threads=32)
+    np.testing.assert_array_equal(got.parent[0], [-1, 0, 0, 0, 1, 2, 3, 1, 2, 3])
+    np.testing.assert_array_equal(got.tokens[0], [99, 10, 11, 12, 20, 20, 20, 21, 21, 21])
+    np.testing.assert_array_equal(got.positions[0], [4, 5, 5, 5, 6, 6, 6, 6, 6, 6])
+
+
+@pytest.mark.kernels
+def test_tree_build_spare_capacity(rng):
+    """NMAX larger than budget + 1 (and a budget larger than the possible tree): extra slots are -1/0."""
+    check_build_and_accept(rng, R=1, D=2, K=2, budget=5, ties=True, nmax=9)
+
+
+@pytest.mark.kernels
+def test_tree_build_unstaged_logp(rng):
+    """min(D, budget) * min(K, budget) > _LOGP_CAP: log-probs are read from global memory instead."""
+    assert 90 * 90 > _LOGP_CAP
+    check_build_and_accept(rng, R=1, D=90, K=90, budget=90, ties=True)
+
+
+@pytest.mark.kernels
+def test_tree_accept_unstaged(rng):
+    """A tree larger than tree_accept's shared-memory rows (a 600-node chain): read from global memory."""
+    n = 600
+    assert n > _NODE_CAP
+    tree = build_tree(0, rng.integers(0, 3, size=(n - 1, 1)), np.full((n - 1, 1), -1.0), n - 1)
+    tc = following_choices(tree, rng, n, p_follow=0.995)
+    rows = [a[None].copy() for a in (tree.first_child, tree.next_sibling, tree.tokens, tc)]  # [1, n]
+    acc = accept_gpu(*rows, np.array([n], np.int32), threads=32)
+    accepted, bonus = follow_verified_tree(tree, tc)
+    assert acc.n_accepted[0] == accepted.size and acc.bonus[0] == bonus
+    np.testing.assert_array_equal(acc.accepted[0, : accepted.size], accepted)
+    assert np.all(acc.accepted[0, accepted.size :] == -1)
+
+
+@pytest.mark.kernels
+def test_device_pipeline(rng):
+    """build -> accept -> compact on device arrays, no host round trip until the end."""
+    R, D, K, budget = 1, 3, 2, 5
+    root, tokens, logp, L = random_drafts(rng, R, D, K, ties=False)
+    L[:] = 2
+    d_tree = build_tree_gpu(*(cuda.to_device(a) for a in (root, tokens, logp)), budget, cuda.to_device(L))
+    assert all(hasattr(a, "copy_to_host") for a in d_tree)
+    tree = build_tree(root[0], tokens[0], logp[0], budget)
+    tc = following_choices(tree, rng, budget + 1, p_follow=1.0)[None]
+    d_acc = accept_gpu(
+        d_tree.first_child, d_tree.next_sibling, d_tree.tokens, cuda.to_device(tc), d_tree.n_nodes
+    )
+    assert all(hasattr(a, "copy_to_host") for a in d_acc)
+    n_acc = int(d_acc.n_accepted.copy_to_host()[0])
+    c_kv = rng.standard_normal((2, 12, 4)).astype(np.float32)
+    k_pe = rng.standard_normal((2, 12, 3)).astype(np.float32)
+    d_c, d_k = cuda.to_device(c_kv), cuda.to_device(k_pe)
+    compact_gpu(d_c, d_k, 2, d_acc.accepted[0], n_acc)
+    accepted, _ = follow_verified_tree(tree, tc[0, : tree.n])
+    for layer in range(2):
+        compact_cache([c_kv[layer], k_pe[layer]], 2, accepted)
+    np.testing.assert_array_equal(d_c.copy_to_host(), c_kv)
+    np.testing.assert_array_equal(d_k.copy_to_host(), k_pe)
+
+
+def run_compact_check(rng, n_layers, max_len, rkv, dr, L, accepted, nmax, threads=32):
+    """kv_compact on numpy caches (copied in and back) equals the reference, every slot compared."""
+    c_kv = rng.standard_normal((n_layers, max_len, rkv)).astype(np.float32)
+    k_pe = rng.standard_normal((n_layers, max_len, dr)).astype(np.float32)
+    want = [c_kv.copy(), k_pe.copy()]
+    for layer in range(n_layers):
+        compact_cache([want[0][layer], want[1][layer]], L, accepted)
+    acc = np.full(nmax, -1, np.int32)  # padded like tree_accept's output
+    acc[: len(accepted)] = accepted
+    compact_gpu(c_kv, k_pe, L, acc, len(accepted), threads=threads)
+    np.testing.assert_array_equal(c_kv, want[0])
+    np.testing.assert_array_equal(k_pe, want[1])
+
+
+@pytest.mark.kernels
+def test_kv_compact_spec_example(rng):
+    run_compact_check(rng, n_layers=2, max_len=12, rkv=16, dr=8, L=3, accepted=[0, 2, 5], nmax=6)
+
+
+@pytest.mark.kernels
+def test_kv_compact_random(rng):
+    n = 7
+    a = int(rng.integers(0, n))
+    accepted = [0, *np.sort(rng.choice(np.arange(1, n), size=a, replace=False)).tolist()]
+    L = int(rng.integers(0, 4))
+    run_compact_check(rng, n_layers=2, max_len=L + n + 2, rkv=8, dr=4, L=L, accepted=accepted, nmax=n)
+
+
+def test_wrappers_validate():
+    z = np.zeros
+    with pytest.raises(ValueError, match="budget"):
+        build_tree_gpu(z(1, np.int64), z((1, 2, 2), np.int64), z((1, 2, 2), np.float32), MAX_BUDGET + 1, z(1))
+    with pytest.raises(ValueError, match="D, K"):
+        build_tree_gpu(z(1, np.int64), z((1, 0, 2), np.int64), z((1, 0, 2), np.float32), 3, z(1))
+    with pytest.raises(ValueError, match=r"\[R, D, K\]"):
+        build_tree_gpu(z(1, np.int64), z((1, 2, 2), np.int64), z((1, 2, 3), np.float32), 3, z(1))
+    with pytest.raises(ValueError, match="n_acc"):
+        compact_gpu(z((1, 4, 2), np.float32), z((1, 4, 2), np.float32), 2, z(4, np.int32), 3)
+
+
+# ------------------------------------------------------------------------------------------------ real GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [1, 2, 3, 7, 16, 64, 128, 255, 256])
+@pytest.mark.parametrize("D", [1, 2, 5, 15])
+@pytest.mark.parametrize("K", [1, 4, 16])
+def test_tree_build_accept_parity_gpu(rng, budget, D, K):
+    for ties in (True, False):
+        check_build_and_accept(rng, R=6, D=D, K=K, budget=budget, ties=ties, threads=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, K", [(15, 64), (15, MAX_BUDGET), (40, 300)])  # the last is not staged
+def test_tree_build_max_budget_gpu(rng, D, K):
+    for ties in (True, False):
+        check_build_and_accept(rng, R=3, D=D, K=K, budget=MAX_BUDGET, ties=ties, threads=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_layers, rkv, dr", [(1, 512, 64), (61, 512, 64)])
+def test_kv_compact_gpu(rng, n_layers, rkv, dr):
+    n = 257
+    accepted = [0, *np.sort(rng.choice(np.arange(1, n), size=15, replace=False)).tolist()]
+    run_compact_check(
+        rng, n_layers, max_len=1024, rkv=rkv, dr=dr, L=700, accepted=accepted, nmax=n, threads=256
+    )

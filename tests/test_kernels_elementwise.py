@@ -1,0 +1,217 @@
+"""Parity of kdt.kernels.elementwise against NumPy / kdt.reference.ops.
+
+Bounds: gathers, adds and argmax are exact (array_equal; argmax must equal np.argmax, ties -> lowest
+index, planted). RMSNorm and SiLU-mul compute in float32 against a float64 reference: rel_err < 1e-5
+per row (float32 rounding lands near 1e-7).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from kdt.kernels import elementwise as ew
+from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
+from kdt.reference import ops
+from kdt.testing import poisoned, rel_err
+
+FP32_BOUND = 1e-5
+EPS = 1e-6
+
+
+def _table(rng, shape, wdtype):
+    """(stored array, float64 values the kernel sees)."""
+    a = rng.standard_normal(shape, dtype=np.float32)
+    if wdtype == "bf16":
+        bits = f32_to_bf16_bits(a)
+        return bits, bf16_bits_to_f32(bits).astype(np.float64)
+    return a, a.astype(np.float64)
+
+
+# ---- embedding ----------------------------------------------------------------------------------------
+def _check_embedding(rng, V, D, M, wdtype):
+    E, E_seen = _table(rng, (V, D), wdtype)
+    tokens = rng.integers(0, V, size=M).astype(np.int64)
+    tokens[:3] = [0, V - 1, 0][: min(3, M)]  # both ends of the table and a repeat
+    d_x = cuda.to_device(poisoned((M, D)))
+    ew.embedding(cuda.to_device(tokens), cuda.to_device(E), d_x)
+    assert np.array_equal(d_x.copy_to_host(), E_seen[tokens].astype(np.float32))
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_embedding_sim(rng, wdtype):
+    _check_embedding(rng, V=50, D=70, M=5, wdtype=wdtype)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("D", [2048, 7168])
+def test_embedding_gpu(rng, D, wdtype):
+    _check_embedding(rng, V=163840, D=D, M=256, wdtype=wdtype)
+
+
+# ---- rmsnorm ------------------------------------------------------------------------------------------
+def _rms_rows(rng, M, width):
+    x = rng.standard_normal((M, width), dtype=np.float32)
+    x[0] *= 1e-4  # mean(x^2) ~ 1e-8 << eps = 1e-6: a wrong or missing eps fails this row
+    if M > 2:
+        x[2] *= 300.0
+    return x
+
+
+def _check_rmsnorm_rows(out, x, w64, ncols):
+    ref = ops.rmsnorm(x[:, :ncols].astype(np.float64), w64, EPS)
+    for m in range(x.shape[0]):
+        err = rel_err(out[m, :ncols], ref[m])
+        assert err < FP32_BOUND, f"row {m}: rel_err {err:.3g}"
+
+
+def _check_rmsnorm(rng, M, N, wdtype, extra=0):
+    """Normalise the first N columns of an [M, N + extra] buffer into a separate [M, N + extra] one."""
+    x = _rms_rows(rng, M, N + extra)
+    w, w64 = _table(rng, (N,), wdtype)
+    d_y = cuda.to_device(poisoned((M, N + extra)))
+    ew.rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, d_y, ncols=N if extra else None)
+    out = d_y.copy_to_host()
+    _check_rmsnorm_rows(out, x, w64, N)
+    assert np.isnan(out[:, N:]).all(), "columns >= ncols must be left untouched"
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("N,extra", [(150, 0), (37, 0), (300, 13)])
+def test_rmsnorm_sim(rng, N, extra, wdtype):
+    _check_rmsnorm(rng, M=3, N=N, wdtype=wdtype, extra=extra)
+
+
+@pytest.mark.kernels
+def test_rmsnorm_sliced_views_and_in_place(rng):
+    """c_kv = rmsnorm(c[:, :Rkv]) through non-contiguous device views, then in place (y is x)."""
+    M, Rkv, dr = 3, 100, 16
+    c = _rms_rows(rng, M, Rkv + dr)
+    w, w64 = _table(rng, (Rkv,), "f32")
+    d_c, d_y = cuda.to_device(c), cuda.to_device(poisoned((M, Rkv + dr)))
+    ew.rmsnorm(d_c[:, :Rkv], cuda.to_device(w), EPS, d_y[:, :Rkv])
+    out = d_y.copy_to_host()
+    _check_rmsnorm_rows(out, c, w64, Rkv)
+    assert np.isnan(out[:, Rkv:]).all()
+    ew.rmsnorm(d_c, cuda.to_device(w), EPS, d_c, ncols=Rkv)  # in place on the first Rkv columns
+    out = d_c.copy_to_host()
+    _check_rmsnorm_rows(out, c, w64, Rkv)
+    assert np.array_equal(out[:, Rkv:], c[:, Rkv:])
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("N,extra", [(2048, 0), (7168, 0), (16384, 0), (1536, 0), (512, 64)])
+@pytest.mark.parametrize("M", [1, 256])
+def test_rmsnorm_gpu(rng, M, N, extra, wdtype):
+    _check_rmsnorm(rng, M=M, N=N, wdtype=wdtype, extra=extra)
+
+
+# ---- silu_mul -----------------------------------------------------------------------------------------
+def _check_silu_mul(rng, M, I):
+    g = rng.standard_normal((M, I), dtype=np.float32) * 6.0  # reaches the saturated tails of silu
+    u = rng.standard_normal((M, I), dtype=np.float32)
+    d_out = cuda.to_device(poisoned((M, I)))
+    ew.silu_mul(cuda.to_device(g), cuda.to_device(u), d_out)
+    out = d_out.copy_to_host()
+    ref = ops.silu(g.astype(np.float64)) * u
+    for m in range(M):
+        err = rel_err(out[m], ref[m])
+        assert err < FP32_BOUND, f"row {m}: rel_err {err:.3g}"
+
+
+@pytest.mark.kernels
+def test_silu_mul_sim(rng):
+    _check_silu_mul(rng, M=3, I=70)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("I", [1408, 2048, 18432])
+@pytest.mark.parametrize("M", [1, 256])
+def test_silu_mul_gpu(rng, M, I):
+    _check_silu_mul(rng, M, I)
+
+
+# ---- add ----------------------------------------------------------------------------------------------
+def _check_add(rng, M, N):
+    x = rng.standard_normal((M, N), dtype=np.float32)
+    y = rng.standard_normal((M, N), dtype=np.float32)
+    d_out = cuda.to_device(poisoned((M, N)))
+    ew.add(cuda.to_device(x), cuda.to_device(y), d_out)
+    assert np.array_equal(d_out.copy_to_host(), x + y)
+    d_x = cuda.to_device(x)
+    ew.add(d_x, cuda.to_device(y), d_x)  # in-place residual add
+    assert np.array_equal(d_x.copy_to_host(), x + y)
+
+
+@pytest.mark.kernels
+def test_add_sim(rng):
+    _check_add(rng, M=3, N=70)
+    x, y = rng.standard_normal(45, dtype=np.float32), rng.standard_normal(45, dtype=np.float32)
+    d_out = cuda.to_device(poisoned(45))
+    ew.add(cuda.to_device(x), cuda.to_device(y), d_out)  # 1-D
+    assert np.array_equal(d_out.copy_to_host(), x + y)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [2048, 7168])
+@pytest.mark.parametrize("M", [1, 256])
+def test_add_gpu(rng, M, D):
+    _check_add(rng, M, D)
+
+
+# ---- argmax_rows ---------------------------------------------------------------------------------------
+def _plant_ties(rng, row, positions):
+    """Make row's maximum occur at every index in positions."""
+    row[list(positions)] = row.max() + 1.0 + rng.random()
+
+
+def _check_argmax(logits):
+    M = logits.shape[0]
+    d_out = cuda.to_device(poisoned(M, np.int64))
+    ew.argmax_rows(cuda.to_device(logits), d_out)
+    out = d_out.copy_to_host()
+    ref = np.argmax(logits, axis=-1)
+    bad = out != ref
+    assert not bad.any(), f"rows {np.nonzero(bad)[0]}: got {out[bad]}, want {ref[bad]}"
+
+
+@pytest.mark.kernels
+def test_argmax_rows_sim(rng):
+    nt = ew.ARGMAX_THREADS
+    V = 2 * ew.ARGMAX_UNROLL * nt + 76  # two unrolled groups per thread plus a tail
+    L = rng.standard_normal((9, V), dtype=np.float32)
+    _plant_ties(rng, L[0], [5, 5 + nt])  # one thread, two loads of a group
+    _plant_ties(rng, L[1], [40, 3])  # two lanes of one warp
+    _plant_ties(rng, L[2], [V - 1, V - 2 - nt])  # in the tail
+    _plant_ties(rng, L[3], [2 * nt + 1, ew.ARGMAX_UNROLL * nt + 1])  # across groups and threads
+    L[4] = 1.0  # all equal -> 0
+    L[5] = -np.inf  # all -inf -> 0
+    L[6, [V - 3, 200]] = np.nan  # NaN wins, first NaN
+    _plant_ties(rng, L[7], [V - 1])  # maximum at the very end
+    _plant_ties(rng, L[8], [0, V - 1])  # at both ends
+    _check_argmax(L)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 7, 256])
+def test_argmax_rows_gpu(rng, M):
+    V = 163840
+    L = rng.standard_normal((M, V), dtype=np.float32)
+    for m in range(M):
+        if m % 2 == 0:  # ties at random places (several per row) on every other row
+            _plant_ties(rng, L[m], rng.choice(V, size=1 + m % 5, replace=False))
+    if M > 4:
+        L[1] = 0.5
+        L[2, :] = -np.inf
+        L[3, [V - 7, 99_999]] = np.nan
+    _check_argmax(L)

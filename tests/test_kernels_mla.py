@@ -1,0 +1,404 @@
+"""Parity tests of the MLA kernels (kdt.kernels.mla) against the NumPy reference (kdt.reference.ops).
+
+Simulator shapes use the "micro" preset (H 2, Rkv 16, dr 4, dn = dv = 8) with YaRN switched on;
+``gpu`` shapes use Kimi K2 / Moonlight dims (Rkv 512, dr 64, dn = dv = 128, H 64 / 16).
+Bounds: float32 weights rel_err < 1e-5; bf16 weights < 1e-5 against the reference on the
+bf16-rounded weights (float64 math) and < 1e-2 against the unrounded float32 weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from kdt.config import preset
+from kdt.kernels import mla
+from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
+from kdt.reference import ops
+from kdt.reference.model import full_mask
+from kdt.testing import poisoned, rel_err
+
+F32_BOUND = 1e-5  # fp32 kernels vs the float64 reference on the same inputs
+BF16_ROUNDED_BOUND = 1e-5  # bf16 weights vs the float64 reference on the bf16-rounded weights
+BF16_UNROUNDED_BOUND = 1e-2  # bf16 weights vs the float64 reference on the unrounded weights
+
+YARN = {"type": "yarn", "rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}
+
+
+def micro_cfg(**kw):
+    return preset("micro", rope_scaling=YARN, max_position_embeddings=256, **kw)
+
+
+def real_cfg(H: int, **kw):
+    return preset("kimi-k2", num_attention_heads=H, **kw)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def tree_vis(rng, M: int) -> np.ndarray:
+    """Random tree visibility [M, M] bool: node i > 0 has a random parent < i; row i = row parent + i."""
+    vis = np.zeros((M, M), dtype=bool)
+    depth = np.zeros(M, dtype=np.int64)
+    for i in range(M):
+        if i > 0:
+            p = int(rng.integers(0, i))
+            vis[i] = vis[p]
+            depth[i] = depth[p] + 1
+        vis[i, i] = True
+    return vis, depth
+
+
+def weights(rng, cfg, wdtype, sigma: float):
+    """kv_b [H*(dn+dv), Rkv]: (device array in wdtype, float64 weights the kernel sees, unrounded f64)."""
+    H, dn, dv, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    w = (rng.standard_normal((H * (dn + dv), Rkv)) * sigma).astype(np.float32)
+    if wdtype == "bf16":
+        bits = f32_to_bf16_bits(w)
+        return cuda.to_device(bits), bf16_bits_to_f32(bits).astype(np.float64), w.astype(np.float64)
+    return cuda.to_device(w), w.astype(np.float64), w.astype(np.float64)
+
+
+def split_kv_b(kv_b: np.ndarray, cfg):
+    H, dn, dv, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    v = kv_b.reshape(H, dn + dv, Rkv)
+    return v[:, :dn], v[:, dn:]  # W_uk [H, dn, Rkv], W_uv [H, dv, Rkv]
+
+
+def ref_o_lat(q_abs, q_pe, c_kv, k_pe, mask, scale):
+    """float64 o_lat[M, H, Rkv] = softmax(mask(s)) @ c_kv (matmul form, fast at real shapes)."""
+    M, H, R = q_abs.shape
+    T = c_kv.shape[0]
+    f = np.float64
+    s = q_abs.reshape(M * H, R).astype(f) @ c_kv.T.astype(f)
+    s += q_pe.reshape(M * H, -1).astype(f) @ k_pe.T.astype(f)
+    s = np.where(np.repeat(mask, H, axis=0), s * scale, -np.inf)
+    p = ops.softmax(s, axis=-1)
+    return (p @ c_kv.astype(f)).reshape(M, H, R), p.reshape(M, H, T)
+
+
+def attention_inputs(rng, cfg, L: int, M: int, extra: int = 3):
+    """q_abs, q_pe with score std about 2; a cache of L+M+extra slots (beyond L+M poisoned NaN)."""
+    H, Rkv, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    scale = cfg.softmax_scale
+    sq = 2.0 / (np.sqrt(Rkv + dr) * scale)
+    q_abs = (rng.standard_normal((M, H, Rkv)) * sq).astype(np.float32)
+    q_pe = (rng.standard_normal((M, H, dr)) * sq).astype(np.float32)
+    c_kv = np.full((L + M + extra, Rkv), np.nan, dtype=np.float32)
+    k_pe = np.full((L + M + extra, dr), np.nan, dtype=np.float32)
+    c_kv[:L + M] = rng.standard_normal((L + M, Rkv))
+    k_pe[:L + M] = rng.standard_normal((L + M, dr))
+    vis, _ = tree_vis(rng, M)
+    return q_abs, q_pe, c_kv, k_pe, vis, scale
+
+
+def run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=None, scratch=None):
+    M, H, Rkv = q_abs.shape
+    o_d = cuda.to_device(poisoned((M, H, Rkv)))
+    mla.mla_attention(cuda.to_device(q_abs), cuda.to_device(q_pe), cuda.to_device(c_kv), cuda.to_device(k_pe),
+                      L, cuda.to_device(vis.astype(np.uint8)), scale, o_d, scratch=scratch, n_splits=n_splits)
+    return o_d.copy_to_host()
+
+
+def check_attention(rng, cfg, L, M, n_splits=None, general_vis=False):
+    q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
+    if general_vis:  # any pattern with a visible diagonal, e.g. rows that do not see slot L
+        vis = rng.random((M, M)) < 0.5
+        vis[np.arange(M), np.arange(M)] = True
+        vis[1:, 0] = False
+    o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=n_splits)
+    ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
+    err = rel_err(o, ref)
+    assert err < F32_BOUND, (L, M, n_splits, err)
+    return err
+
+
+def run_chain(rng, cfg, L, M, wdtype, interleave, extra=2):
+    """kv_latent_write -> q_absorb -> mla_attention -> uv_project against ops.mla_attention_absorbed."""
+    H, dn, dr, dv, Rkv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                          cfg.kv_lora_rank)
+    scale = cfg.softmax_scale
+    vis, depth = tree_vis(rng, M)
+    positions = (L + depth).astype(np.int64)
+    cos_tab, sin_tab = mla.rope_tables(cfg, L + M + 1)
+    sigma = 2.0 / (np.sqrt(dn * Rkv) * scale)  # score std about 2
+    kv_b_d, kv_b, kv_b_raw = weights(rng, cfg, wdtype, sigma)
+    norm_w = (1.0 + 0.1 * rng.standard_normal(Rkv)).astype(np.float32)
+    q = rng.standard_normal((M, H * (dn + dr))).astype(np.float32)
+    c = rng.standard_normal((M, Rkv + dr)).astype(np.float32)
+    c_kv = np.full((L + M + extra, Rkv), np.nan, dtype=np.float32)
+    k_pe = np.full((L + M + extra, dr), np.nan, dtype=np.float32)
+    c_kv[:L] = rng.standard_normal((L, Rkv))
+    k_pe[:L] = rng.standard_normal((L, dr))
+
+    d = cuda.to_device
+    c_kv_d, k_pe_d, pos_d, cos_d, sin_d = d(c_kv), d(k_pe), d(positions), d(cos_tab), d(sin_tab)
+    mla.kv_latent_write(d(c), d(norm_w), cfg.rms_norm_eps, pos_d, cos_d, sin_d, L, c_kv_d, k_pe_d, interleave)
+    q_abs_d, q_pe_d = d(poisoned((M, H, Rkv))), d(poisoned((M, H, dr)))
+    mla.q_absorb(d(q), kv_b_d, pos_d, cos_d, sin_d, interleave, q_abs_d, q_pe_d)
+    o_lat_d = d(poisoned((M, H, Rkv)))
+    mla.mla_attention(q_abs_d, q_pe_d, c_kv_d, k_pe_d, L, d(vis.astype(np.uint8)), scale, o_lat_d)
+    o_d = d(poisoned((M, H * dv)))
+    mla.uv_project(o_lat_d, kv_b_d, o_d)
+    o = o_d.copy_to_host()
+
+    f = np.float64
+    cos, sin = ops.rope_cos_sin(cfg, positions, f)
+    qr = q.astype(f).reshape(M, H, dn + dr)
+    q_nope, q_pe = qr[..., :dn], ops.apply_rope(qr[..., dn:], cos, sin, interleave)
+    c_all = np.concatenate([c_kv[:L].astype(f), ops.rmsnorm(c[:, :Rkv].astype(f), norm_w.astype(f),
+                                                            cfg.rms_norm_eps)])
+    k_all = np.concatenate([k_pe[:L].astype(f), ops.apply_rope(c[:, Rkv:].astype(f), cos, sin, interleave)])
+    mask = full_mask(L, vis)
+    refs = {}
+    for name, w in (("kernel_weights", kv_b), ("unrounded", kv_b_raw)):
+        W_uk, W_uv = split_kv_b(w, cfg)
+        refs[name] = ops.mla_attention_absorbed(q_nope, q_pe, c_all, k_all, W_uk, W_uv, mask,
+                                                scale).reshape(M, H * dv)
+    W_uk, W_uv = split_kv_b(kv_b, cfg)
+    return o, refs, (q_nope, q_pe, c_all, k_all, W_uk, W_uv, mask, scale)
+
+
+# ---- 1. kv_latent_write -------------------------------------------------------------------------------
+def check_kv_latent_write(rng, cfg, L, M, interleave, norm_dtype):
+    Rkv, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    vis, depth = tree_vis(rng, M)
+    positions = (L + depth).astype(np.int64)
+    cos_tab, sin_tab = mla.rope_tables(cfg, L + M + 1)
+    c = rng.standard_normal((M, Rkv + dr)).astype(np.float32) * 3
+    w = (1.0 + 0.1 * rng.standard_normal(Rkv)).astype(np.float32)
+    if norm_dtype == "bf16":
+        bits = f32_to_bf16_bits(w)
+        w_dev, w_ref = cuda.to_device(bits), bf16_bits_to_f32(bits)
+    else:
+        w_dev, w_ref = cuda.to_device(w), w
+    max_len = L + M + 4
+    c_kv_d = cuda.to_device(poisoned((max_len, Rkv)))
+    k_pe_d = cuda.to_device(poisoned((max_len, dr)))
+    d = cuda.to_device
+    mla.kv_latent_write(d(c), w_dev, cfg.rms_norm_eps, d(positions), d(cos_tab), d(sin_tab), L, c_kv_d,
+                        k_pe_d, interleave)
+    c_kv, k_pe = c_kv_d.copy_to_host(), k_pe_d.copy_to_host()
+    f = np.float64
+    cos, sin = ops.rope_cos_sin(cfg, positions, f)
+    ref_c = ops.rmsnorm(c[:, :Rkv].astype(f), w_ref.astype(f), cfg.rms_norm_eps)
+    ref_k = ops.apply_rope(c[:, Rkv:].astype(f), cos, sin, interleave)
+    assert rel_err(c_kv[L:L + M], ref_c) < F32_BOUND
+    assert rel_err(k_pe[L:L + M], ref_k) < F32_BOUND
+    outside = np.r_[0:L, L + M:max_len]
+    assert np.isnan(c_kv[outside]).all() and np.isnan(k_pe[outside]).all(), "slots outside [L, L+M) written"
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("L,M", [(0, 1), (5, 3), (40, 3)])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_kv_latent_write(rng, L, M, interleave):
+    check_kv_latent_write(rng, micro_cfg(rope_interleave=interleave), L, M, interleave, "f32")
+
+
+@pytest.mark.kernels
+def test_kv_latent_write_bf16_norm(rng):
+    check_kv_latent_write(rng, micro_cfg(), 5, 3, True, "bf16")
+
+
+# ---- 2. q_absorb ------------------------------------------------------------------------------------
+def check_q_absorb(rng, cfg, M, wdtype, interleave):
+    H, dn, dr, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    L = 7
+    positions = (L + rng.integers(0, M + 1, size=M)).astype(np.int64)
+    cos_tab, sin_tab = mla.rope_tables(cfg, L + M + 1)
+    kv_b_d, kv_b, kv_b_raw = weights(rng, cfg, wdtype, 0.1)
+    q = rng.standard_normal((M, H * (dn + dr))).astype(np.float32)
+    q_abs_d, q_pe_d = cuda.to_device(poisoned((M, H, Rkv))), cuda.to_device(poisoned((M, H, dr)))
+    d = cuda.to_device
+    mla.q_absorb(d(q), kv_b_d, d(positions), d(cos_tab), d(sin_tab), interleave, q_abs_d, q_pe_d)
+    q_abs, q_pe = q_abs_d.copy_to_host(), q_pe_d.copy_to_host()
+    qr = q.astype(np.float64).reshape(M, H, dn + dr)
+    cos, sin = ops.rope_cos_sin(cfg, positions, np.float64)
+    assert rel_err(q_pe, ops.apply_rope(qr[..., dn:], cos, sin, interleave)) < F32_BOUND
+    W_uk, _ = split_kv_b(kv_b, cfg)
+    err = rel_err(q_abs, np.einsum("mhd,hdr->mhr", qr[..., :dn], W_uk))
+    assert err < (F32_BOUND if wdtype == "f32" else BF16_ROUNDED_BOUND), err
+    if wdtype == "bf16":
+        W_uk_raw, _ = split_kv_b(kv_b_raw, cfg)
+        assert rel_err(q_abs, np.einsum("mhd,hdr->mhr", qr[..., :dn], W_uk_raw)) < BF16_UNROUNDED_BOUND
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_q_absorb(rng, M, wdtype):
+    check_q_absorb(rng, micro_cfg(), M, wdtype, interleave=(M == 1))
+
+
+# ---- 4. uv_project ----------------------------------------------------------------------------------
+def check_uv_project(rng, cfg, M, wdtype):
+    H, dv, Rkv = cfg.num_attention_heads, cfg.v_head_dim, cfg.kv_lora_rank
+    kv_b_d, kv_b, kv_b_raw = weights(rng, cfg, wdtype, 0.1)
+    o_lat = rng.standard_normal((M, H, Rkv)).astype(np.float32)
+    o_d = cuda.to_device(poisoned((M, H * dv)))
+    mla.uv_project(cuda.to_device(o_lat), kv_b_d, o_d)
+    o = o_d.copy_to_host()
+    _, W_uv = split_kv_b(kv_b, cfg)
+    err = rel_err(o, np.einsum("mhr,hvr->mhv", o_lat.astype(np.float64), W_uv).reshape(M, H * dv))
+    assert err < (F32_BOUND if wdtype == "f32" else BF16_ROUNDED_BOUND), err
+    if wdtype == "bf16":
+        _, W_uv_raw = split_kv_b(kv_b_raw, cfg)
+        ref = np.einsum("mhr,hvr->mhv", o_lat.astype(np.float64), W_uv_raw).reshape(M, H * dv)
+        assert rel_err(o, ref) < BF16_UNROUNDED_BOUND
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_uv_project(rng, M, wdtype):
+    check_uv_project(rng, micro_cfg(), M, wdtype)
+
+
+# ---- 3. mla_attention -------------------------------------------------------------------------------
+@pytest.mark.kernels
+@pytest.mark.parametrize("L,M", [(0, 1), (0, 3), (5, 1), (5, 3), (40, 1), (40, 3)])
+def test_mla_attention(rng, L, M):
+    check_attention(rng, micro_cfg(), L, M)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("L,M,n_splits", [(40, 1, 4), (40, 3, 3), (5, 3, 2), (0, 3, 2)])
+def test_mla_attention_split(rng, L, M, n_splits):
+    """Flash-decoding path: a small forced split size (BT-aligned chunks of the key range) + combine."""
+    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("L,M,n_splits", [(0, 3, 1), (6, 3, 1), (6, 3, 2)])
+def test_mla_attention_general_vis(rng, L, M, n_splits):
+    """Non-tree visibility: slot L+j visible iff vis[m, j], whatever the pattern."""
+    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits, general_vis=True)
+
+
+@pytest.mark.kernels
+def test_mla_attention_split_scratch(rng):
+    """Caller-provided scratch (the graph-capture path), and a too-small scratch is refused."""
+    cfg = micro_cfg()
+    L, M, S = 21, 2, 3
+    H, Rkv = cfg.num_attention_heads, cfg.kv_lora_rank
+    q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
+    scratch = cuda.to_device(poisoned(mla.mla_scratch_size(M, H, Rkv, S)))
+    o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=S, scratch=scratch)
+    ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
+    assert rel_err(o, ref) < F32_BOUND
+    with pytest.raises(ValueError):
+        run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=S, scratch=cuda.to_device(
+            np.zeros(mla.mla_scratch_size(M, H, Rkv, S) - 1, np.float32)))
+
+
+@pytest.mark.kernels
+def test_mla_attention_head_groups(rng, monkeypatch):
+    """Several heads per lane group (A = 2) and a partial last head group (H = 3 with 2 heads/block)."""
+    cfg = micro_cfg(num_attention_heads=3)
+    G = mla._attn_params(3, cfg.kv_lora_rank, cfg.qk_rope_head_dim)[0]
+    monkeypatch.setattr(mla, "_attn_params", lambda H, Rkv, dr: (G, 2, 1, 4))
+    check_attention(rng, cfg, 9, 3)
+    check_attention(rng, cfg, 9, 2, n_splits=2)
+
+
+@pytest.mark.kernels
+def test_mla_attention_wrong_kernel_is_caught(rng):
+    """Sanity of the check itself: a visibility the kernel did not get changes the reference."""
+    cfg = micro_cfg()
+    L, M = 5, 3
+    q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
+    o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale)
+    full = np.ones_like(vis)
+    ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, full), scale)
+    assert rel_err(o, ref) > 1e-3
+
+
+# ---- chain against ops.mla_attention_absorbed (and the naive form once) -------------------------------
+@pytest.mark.kernels
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_mla_chain(rng, interleave, wdtype):
+    cfg = micro_cfg(rope_interleave=interleave)
+    o, refs, _ = run_chain(rng, cfg, 13, 3, wdtype, interleave)
+    assert rel_err(o, refs["kernel_weights"]) < (F32_BOUND if wdtype == "f32" else BF16_ROUNDED_BOUND)
+    if wdtype == "bf16":
+        assert rel_err(o, refs["unrounded"]) < BF16_UNROUNDED_BOUND
+
+
+@pytest.mark.kernels
+def test_mla_chain_vs_naive(rng):
+    cfg = micro_cfg()
+    o, refs, args = run_chain(rng, cfg, 6, 3, "f32", True)
+    naive = ops.mla_attention_naive(*args).reshape(o.shape)
+    assert rel_err(refs["kernel_weights"], naive) < 1e-12
+    assert rel_err(o, naive) < F32_BOUND
+
+
+def test_rope_tables_and_splits():
+    cfg = micro_cfg()
+    cos, sin = mla.rope_tables(cfg, 50)
+    c64, s64 = ops.rope_cos_sin(cfg, np.arange(50), np.float64)
+    assert cos.dtype == np.float32 and cos.shape == (50, cfg.qk_rope_head_dim // 2)
+    assert rel_err(cos, c64) < 1e-7 and rel_err(sin, s64) < 1e-7
+    assert mla.mla_num_splits(32768, 1, 64) > 1  # decode over a long prefix splits
+    assert mla.mla_num_splits(0, 256, 64) == 1
+    assert mla.mla_scratch_size(4, 2, 16, 1) == 0
+
+
+# ---- real shapes (H200) -------------------------------------------------------------------------------
+GPU_ATT = [(H, L, M) for H in (16, 64) for L in (0, 512, 8192) for M in (1, 16, 64, 256)] + [(16, 32768, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("H,L,M", GPU_ATT)
+def test_mla_attention_gpu(rng, H, L, M):
+    check_attention(rng, real_cfg(H), L, M)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("H,L,M,n_splits", [(64, 8192, 16, 1), (64, 512, 1, 2), (16, 8192, 64, 7)])
+def test_mla_attention_gpu_forced_splits(rng, H, L, M, n_splits):
+    check_attention(rng, real_cfg(H), L, M, n_splits=n_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("L,M", [(0, 1), (8192, 16), (512, 256)])
+def test_kv_latent_write_gpu(rng, L, M):
+    check_kv_latent_write(rng, real_cfg(64), L, M, True, "f32")
+    check_kv_latent_write(rng, real_cfg(64, rope_interleave=False), L, M, False, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("H", [16, 64])
+@pytest.mark.parametrize("M", [1, 16, 256])
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_q_absorb_uv_project_gpu(rng, H, M, wdtype):
+    cfg = real_cfg(H)
+    check_q_absorb(rng, cfg, M, wdtype, interleave=(M != 16))
+    check_uv_project(rng, cfg, M, wdtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("H,L,M", [(16, 512, 16), (64, 0, 1), (64, 512, 16), (16, 8192, 1)])
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_chain_gpu(rng, H, L, M, wdtype, interleave):
+    cfg = real_cfg(H, rope_interleave=interleave)
+    o, refs, _ = run_chain(rng, cfg, L, M, wdtype, interleave)
+    assert rel_err(o, refs["kernel_weights"]) < (F32_BOUND if wdtype == "f32" else BF16_ROUNDED_BOUND)
+    if wdtype == "bf16":
+        assert rel_err(o, refs["unrounded"]) < BF16_UNROUNDED_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+def test_mla_chain_gpu_vs_naive(rng):
+    cfg = real_cfg(16)
+    o, refs, args = run_chain(rng, cfg, 300, 16, "f32", True)
+    assert rel_err(o, ops.mla_attention_naive(*args).reshape(o.shape)) < F32_BOUND

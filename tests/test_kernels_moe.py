@@ -1,0 +1,421 @@
+"""Parity tests of kdt.kernels.moe against kdt.reference.ops.moe_route and kdt.reference.model.MoE.
+
+Simulator tests use tiny shapes (D 32-36, I 16-20, E 3-16 for the layer; the router also at Kimi /
+DeepSeek expert counts). ``gpu`` tests run the Moonlight and Kimi K2 shapes on a real GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from kdt.config import preset
+from kdt.kernels import moe
+from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
+from kdt.reference import ops
+from kdt.reference.model import Mlp, MoE
+from kdt.testing import poisoned, rel_err
+
+PREFIX = "model.layers.1.mlp."
+BF16 = np.uint16
+
+# Bounds (fp32 accumulation everywhere):
+ROUTE_W_BOUND = 1e-6  # routing weights vs ops.moe_route on the same fp32 logits
+LOGITS_BOUND = 1e-5  # router logits vs float64
+FP32_BOUND = 1e-5  # layer output, fp32 weights, vs the float64 reference
+BF16_BOUND = 1e-5  # layer output, bf16 weights, vs the float64 reference on the bf16-rounded weights
+BF16_VS_FP32_BOUND = 1e-2  # ... and vs the reference on the unrounded fp32 weights
+ROUTE_MARGIN = 1e-4  # inputs are redrawn until no routing decision is closer than this (float noise)
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def _cfg(**kw):
+    return preset("micro").replace(**kw)
+
+
+def _bf16_round(a: np.ndarray) -> np.ndarray:
+    return bf16_bits_to_f32(f32_to_bf16_bits(a))
+
+
+def _mlp_weights(rng, D: int, inter: int):
+    g = (rng.standard_normal((inter, D)) / np.sqrt(D)).astype(np.float32)
+    u = (rng.standard_normal((inter, D)) / np.sqrt(D)).astype(np.float32)
+    d = (rng.standard_normal((D, inter)) / np.sqrt(inter)).astype(np.float32)
+    return g, u, d
+
+
+def _layer_weights(rng, cfg, prefix: str = PREFIX) -> dict[str, np.ndarray]:
+    """HF-named random weights of one MoE layer (fp32)."""
+    D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    w = {prefix + "gate.weight": (rng.standard_normal((E, D)) / np.sqrt(D) * 2).astype(np.float32),
+         prefix + "gate.e_score_correction_bias": (0.3 * rng.standard_normal(E)).astype(np.float32)}
+    mlps = [(f"{prefix}experts.{e}.", I) for e in range(E)]
+    if cfg.n_shared_experts:
+        mlps.append((prefix + "shared_experts.", I * cfg.n_shared_experts))
+    for p, inter in mlps:
+        for n, a in zip(("gate", "up", "down"), _mlp_weights(rng, D, inter), strict=True):
+            w[f"{p}{n}_proj.weight"] = a
+    return w
+
+
+def _rounded(w: dict[str, np.ndarray], prefix: str = PREFIX) -> dict[str, np.ndarray]:
+    """The expert weights bf16-rounded (router gate and bias stay fp32, as on the GPU)."""
+    return {n: (a if n.startswith(prefix + "gate.") else _bf16_round(a)) for n, a in w.items()}
+
+
+def _route_margin(logits: np.ndarray, bias: np.ndarray, cfg) -> float:
+    """Smallest gap (float64) at a routing decision: the topk_group-th vs next group score and the
+    k-th vs next expert among the kept groups; a float32 rounding difference smaller than this
+    cannot change which experts are chosen."""
+    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    c = s + bias.astype(np.float64)
+    M, E = c.shape
+    k, G, tg = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+    margin = np.inf
+    if G > 1:
+        gs = np.sort(c.reshape(M, G, E // G), axis=-1)[..., ::-1][..., :2].sum(-1)
+        srt = -np.sort(-gs, axis=-1)
+        if tg < G:
+            margin = min(margin, float((srt[:, tg - 1] - srt[:, tg]).min()))
+        keep = np.argsort(-gs, axis=-1, kind="stable")[:, :tg]
+        mask = np.zeros((M, G), dtype=bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        c = np.where(np.repeat(mask, E // G, axis=-1), c, -np.inf)
+    srt = -np.sort(-c, axis=-1)
+    if k < E:
+        gap = srt[:, k - 1] - srt[:, k]
+        margin = min(margin, float(gap.min()))
+    return margin
+
+
+def _draw_b(rng, cfg, w, M: int, prefix: str = PREFIX) -> np.ndarray:
+    """Activations b[M, D] whose routing has no near-ties (so fp32 vs float64 logits agree)."""
+    gate = w[prefix + "gate.weight"].astype(np.float64)
+    bias = w[prefix + "gate.e_score_correction_bias"]
+    for _ in range(200):
+        b = rng.standard_normal((M, cfg.hidden_size)).astype(np.float32)
+        if _route_margin(b.astype(np.float64) @ gate.T, bias, cfg) > ROUTE_MARGIN:
+            return b
+    raise RuntimeError("could not draw inputs with a safe routing margin")
+
+
+def _group_reference(topk_idx: np.ndarray, E: int):
+    """Counting sort by expert, stable in flat (token-major) order."""
+    M, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=E)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    pos_of = np.empty(M * k, dtype=np.int64)
+    pos_of[order] = np.arange(M * k)
+    return counts, offsets, order // k, order % k, pos_of.reshape(M, k), np.nonzero(counts)[0]
+
+
+def _run_forward(cfg, w, b, dtype, M_max, accumulate, x0=None):
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, dtype)
+    scratch = moe.MoEScratch.allocate(cfg, M_max)
+    M = b.shape[0]
+    out_h = poisoned((M_max, cfg.hidden_size))
+    if accumulate:
+        out_h[:M] = x0
+    d_b = cuda.to_device(np.concatenate([b, np.full((M_max - M, b.shape[1]), np.nan, np.float32)]))
+    out = cuda.to_device(out_h)
+    moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=accumulate)
+    res = out.copy_to_host()
+    assert np.all(np.isnan(res[M:])), "rows past M must not be written"
+    return res[:M], scratch
+
+
+# ---- router ---------------------------------------------------------------------------------------
+ROUTER_CASES = [
+    # E, k, n_group, topk_group, norm, scale
+    (8, 2, 4, 2, True, 2.5),
+    (16, 3, 1, 1, False, 1.0),
+    (16, 4, 4, 1, True, 1.5),
+    (384, 8, 1, 1, True, 2.827),  # Kimi K2
+    (256, 8, 8, 4, True, 2.5),  # DeepSeek-V3
+]
+
+
+def _router_check(logits, bias, cfg, M_max=None):
+    M, E = logits.shape
+    k = cfg.num_experts_per_tok
+    M_max = M_max or M
+    lg = np.full((M_max, E), np.nan, np.float32)
+    lg[:M] = logits
+    idx = cuda.to_device(poisoned((M_max, k), np.int32))
+    wts = cuda.to_device(poisoned((M_max, k)))
+    moe.moe_router(cuda.to_device(lg), cuda.to_device(bias), cfg.n_group, cfg.topk_group, k,
+                   cfg.norm_topk_prob, cfg.routed_scaling_factor, idx, wts, M=M)
+    ref_idx, ref_w = ops.moe_route(logits, bias, cfg)
+    got_idx, got_w = idx.copy_to_host(), wts.copy_to_host()
+    np.testing.assert_array_equal(got_idx[:M], ref_idx)
+    assert rel_err(got_w[:M], ref_w) < ROUTE_W_BOUND
+    assert np.all(got_idx[M:] == -7777) and np.all(np.isnan(got_w[M:])), "rows past M written"
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("E,k,n_group,topk_group,norm,scale", ROUTER_CASES)
+def test_moe_router_matches_reference(rng, E, k, n_group, topk_group, norm, scale):
+    cfg = _cfg(n_routed_experts=E, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+               norm_topk_prob=norm, routed_scaling_factor=scale)
+    M = 5
+    logits = (2 * rng.standard_normal((M, E))).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(E)).astype(np.float32)
+    _router_check(logits, bias, cfg, M_max=7)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("n_group,topk_group", [(4, 2), (1, 1)])
+def test_moe_router_ties_follow_stable_order(rng, n_group, topk_group):
+    """Exact ties in scores and group scores: lower group / lower expert index first."""
+    E, k = 16, 4
+    cfg = _cfg(n_routed_experts=E, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+               norm_topk_prob=True, routed_scaling_factor=1.0)
+    logits = rng.integers(-1, 2, size=(6, E)).astype(np.float32)
+    logits[0] = 0.0  # all tied
+    bias = np.zeros(E, np.float32)
+    _router_check(logits, bias, cfg)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("E", [7, 16])
+def test_router_logits(rng, E):
+    M, D = 5, 32
+    b = rng.standard_normal((M, D)).astype(np.float32)
+    gate = rng.standard_normal((E, D)).astype(np.float32)
+    out = cuda.to_device(poisoned((M, E)))
+    moe.router_logits(cuda.to_device(b), cuda.to_device(gate), out)
+    ref = ops.linear(b.astype(np.float64), gate.astype(np.float64))
+    assert rel_err(out.copy_to_host(), ref) < LOGITS_BOUND
+
+
+# ---- grouping -------------------------------------------------------------------------------------
+def _check_group(topk_idx: np.ndarray, E: int, M_max: int):
+    M, k = topk_idx.shape
+    P_max = M_max * k
+    ti = np.full((M_max, k), -1, np.int32)
+    ti[:M] = topk_idx
+    bufs = dict(counts=poisoned(E, np.int32), offsets=poisoned(E + 1, np.int32),
+                sorted_rows=poisoned(P_max, np.int32), sorted_slot=poisoned(P_max, np.int32),
+                pos_of=poisoned((M_max, k), np.int32), active=poisoned(E, np.int32),
+                n_active=poisoned(1, np.int32))
+    d = {n: cuda.to_device(a) for n, a in bufs.items()}
+    moe.moe_group(cuda.to_device(ti), E, d["counts"], d["offsets"], d["sorted_rows"], d["sorted_slot"],
+                  d["pos_of"], d["active"], d["n_active"], M=M)
+    got = {n: a.copy_to_host() for n, a in d.items()}
+    counts, offsets, rows, slots, pos_of, active = _group_reference(topk_idx, E)
+    P = M * k
+    np.testing.assert_array_equal(got["counts"], counts)
+    np.testing.assert_array_equal(got["offsets"], offsets)
+    np.testing.assert_array_equal(got["sorted_rows"][:P], rows)
+    np.testing.assert_array_equal(got["sorted_slot"][:P], slots)
+    np.testing.assert_array_equal(got["pos_of"][:M], pos_of)
+    assert got["n_active"][0] == len(active)
+    np.testing.assert_array_equal(got["active"][: len(active)], active)
+    assert np.all(got["sorted_rows"][P:] == -7777) and np.all(got["pos_of"][M:] == -7777)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,M_max,E,k,skew",
+                         [(6, 8, 8, 3, False), (5, 5, 4, 2, True), (150, 150, 384, 8, False)])
+def test_moe_group(rng, M, M_max, E, k, skew):
+    if skew:  # every token picks from the first k+1 experts: empty experts, long runs
+        topk_idx = np.stack([rng.permutation(k + 1)[:k] for _ in range(M)])
+    else:
+        topk_idx = np.stack([rng.permutation(E)[:k] for _ in range(M)])
+    _check_group(topk_idx.astype(np.int32), E, M_max)
+
+
+# ---- expert GEMMs ---------------------------------------------------------------------------------
+@pytest.mark.kernels
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_expert_gemms_multi_tile(rng, dtype):
+    """One expert with more tokens than a register tile, row counts that leave partial warps/blocks,
+    plus the dense (shared-expert) path with M > tile, accumulating."""
+    M, D, I, E, k = 12, 36, 20, 3, 2
+    experts = [_mlp_weights(rng, D, I) for _ in range(E)]
+    if dtype == BF16:
+        experts = [tuple(_bf16_round(a) for a in ex) for ex in experts]
+    topk_idx = np.stack([np.ones(M, np.int32), rng.choice([0, 2], size=M).astype(np.int32)], axis=1)
+    counts, offsets, rows, slots, pos_of, active = _group_reference(topk_idx, E)
+    P = M * k
+    x = rng.standard_normal((M, D)).astype(np.float32)
+    gu, dn = moe.pack_experts(experts, dtype)
+    h = cuda.to_device(poisoned((P, I)))
+    y = cuda.to_device(poisoned((P, D)))
+    act = np.zeros(E, np.int32)
+    act[: len(active)] = active
+    args = dict(active=cuda.to_device(act), n_active=cuda.to_device(np.array([len(active)], np.int32)),
+                offsets=cuda.to_device(offsets.astype(np.int32)))
+    moe.expert_gate_up(cuda.to_device(x), cuda.to_device(gu), h,
+                       sorted_rows=cuda.to_device(rows.astype(np.int32)), n_rows=P, **args)
+    moe.expert_down(h, cuda.to_device(dn), y, n_rows=P, **args)
+    e_of = topk_idx.reshape(-1)[np.argsort(topk_idx.reshape(-1), kind="stable")]
+    x64 = x.astype(np.float64)
+    h_ref = np.stack([ops.silu(x64[r] @ experts[e][0].T.astype(np.float64)) * (x64[r] @ experts[e][1].T)
+                      for r, e in zip(rows, e_of, strict=True)])
+    h_got = h.copy_to_host()
+    assert rel_err(h_got, h_ref) < FP32_BOUND
+    y_ref = np.stack([h_got[p].astype(np.float64) @ experts[e][2].T for p, e in enumerate(e_of)])
+    assert rel_err(y.copy_to_host(), y_ref) < FP32_BOUND
+    # dense path: shared expert of width 20 over all 12 tokens, accumulated onto x0
+    g, u, d = experts[0]
+    sgu, sdn = moe.pack_experts([(g, u, d)], dtype)
+    x0 = rng.standard_normal((M, D)).astype(np.float32)
+    out = cuda.to_device(x0)
+    moe.dense_mlp(cuda.to_device(x), cuda.to_device(sgu), cuda.to_device(sdn),
+                  cuda.to_device(poisoned((M, I))), out, accumulate=True)
+    ref = x0 + ops.mlp(x64, g.astype(np.float64), u.astype(np.float64), d.astype(np.float64))
+    assert rel_err(out.copy_to_host(), ref) < FP32_BOUND
+
+
+# ---- the whole layer ------------------------------------------------------------------------------
+FORWARD_CASES = [
+    # cfg overrides, dtype, M, accumulate
+    ({}, np.float32, 1, False),
+    ({}, np.float32, 5, True),
+    ({}, BF16, 1, True),
+    ({}, BF16, 5, False),
+    (dict(n_routed_experts=8, n_group=1, topk_group=1, n_shared_experts=2, norm_topk_prob=False,
+          routed_scaling_factor=1.0), np.float32, 5, True),
+    (dict(n_routed_experts=8, n_group=4, topk_group=2, n_shared_experts=0), BF16, 5, True),
+]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("overrides,dtype,M,accumulate", FORWARD_CASES)
+def test_moe_forward_matches_reference(rng, overrides, dtype, M, accumulate):
+    cfg = _cfg(**overrides)
+    w = _layer_weights(rng, cfg)
+    b = _draw_b(rng, cfg, w, M)
+    x0 = rng.standard_normal((M, cfg.hidden_size)).astype(np.float32) if accumulate else None
+    got, _ = _run_forward(cfg, w, b, dtype, M_max=M + 1, accumulate=accumulate, x0=x0)
+    b64 = b.astype(np.float64)
+    base = x0.astype(np.float64) if accumulate else 0.0
+    if dtype == np.float32:
+        assert rel_err(got, base + MoE(cfg, w, PREFIX, np.float64)(b64)) < FP32_BOUND
+    else:
+        assert rel_err(got, base + MoE(cfg, _rounded(w), PREFIX, np.float64)(b64)) < BF16_BOUND
+        assert rel_err(got, base + MoE(cfg, w, PREFIX, np.float64)(b64)) < BF16_VS_FP32_BOUND
+
+
+def test_pack_experts_layout(rng):
+    experts = [_mlp_weights(rng, 8, 4) for _ in range(3)]
+    gu, dn = moe.pack_experts(experts, np.float32)
+    assert gu.shape == (3, 8, 8) and dn.shape == (3, 8, 4)
+    for e, (g, u, d) in enumerate(experts):
+        np.testing.assert_array_equal(gu[e, :4], g)
+        np.testing.assert_array_equal(gu[e, 4:], u)
+        np.testing.assert_array_equal(dn[e], d)
+    gu16, _ = moe.pack_experts(experts, BF16)
+    assert gu16.dtype == np.uint16
+    np.testing.assert_array_equal(gu16[1, 4:], f32_to_bf16_bits(experts[1][1]))
+
+
+# ---- real shapes (H200) ---------------------------------------------------------------------------
+def _time_forward(layer, scratch, d_b, out, M, reps=5):
+    moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False)
+    cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False)
+    cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+@pytest.fixture(scope="module")
+def moonlight():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"[moonlight weights] seed={seed}")
+    rng = np.random.default_rng(seed)
+    cfg = preset("moonlight-16b-a3b")
+    w = _layer_weights(rng, cfg)
+    return cfg, w, {}
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M", [1, 16, 64, 256])
+def test_moe_forward_moonlight(rng, moonlight, dtype, M):
+    cfg, w, cache = moonlight
+    if dtype not in cache:  # device weights and float64 references, once per dtype
+        ref_w = w if dtype == np.float32 else _rounded(w)
+        cache[dtype] = (moe.MoEWeights.from_hf(cfg, w, PREFIX, dtype), MoE(cfg, ref_w, PREFIX, np.float64),
+                        moe.MoEScratch.allocate(cfg, 256))
+        if dtype == BF16:
+            cache["fp32_ref"] = MoE(cfg, w, PREFIX, np.float64)
+    layer, ref, scratch = cache[dtype]
+    b = _draw_b(rng, cfg, w, M)
+    out = cuda.to_device(poisoned((M, cfg.hidden_size)))
+    d_b = cuda.to_device(b)
+    moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False)
+    got = out.copy_to_host()
+    want = ref(b.astype(np.float64))
+    bound = FP32_BOUND if dtype == np.float32 else BF16_BOUND
+    err = rel_err(got, want)
+    dt = _time_forward(layer, scratch, d_b, out, M)
+    print(f"moonlight {np.dtype(dtype).name} M={M}: rel_err {err:.2e}, {dt * 1e6:.0f} us/forward")
+    assert err < bound
+    if dtype == BF16:
+        assert rel_err(got, cache["fp32_ref"](b.astype(np.float64))) < BF16_VS_FP32_BOUND
+
+
+class _LazyExperts:
+    """experts[e] for the reference MoE, built on use from N_DISTINCT random weight sets (float64)."""
+
+    def __init__(self, sets):
+        self.sets = sets
+
+    def __getitem__(self, e):
+        return self.sets[e % len(self.sets)]
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+def test_moe_forward_kimi_k2_bf16(rng):
+    """Kimi K2 (D 7168, I 2048, E 384, k 8, 1 shared), bf16, M in {1, 16, 64}. All 384 experts are
+    present on the device; their weights repeat 8 distinct random sets (expert e uses set e % 8) to
+    bound host time and memory. The float64 reference is kdt.reference.model.MoE's own forward with
+    its expert list built lazily from those sets (a full float64 copy would be ~135 GB)."""
+    cfg = preset("kimi-k2")
+    D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    n_sets = 8
+    sets = [tuple(_bf16_round(a) for a in _mlp_weights(rng, D, I)) for _ in range(n_sets)]
+    shared = tuple(_bf16_round(a) for a in _mlp_weights(rng, D, I * cfg.n_shared_experts))
+    gate = (rng.standard_normal((E, D)) / np.sqrt(D) * 2).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(E)).astype(np.float32)
+    w_gu = cuda.device_array((E, 2 * I, D), dtype=np.uint16)
+    w_dn = cuda.device_array((E, D, I), dtype=np.uint16)
+    gu_s, dn_s = moe.pack_experts(sets, BF16)
+    w_gu[:n_sets].copy_to_device(gu_s)
+    w_dn[:n_sets].copy_to_device(dn_s)
+    for e in range(n_sets, E):  # device-to-device
+        w_gu[e].copy_to_device(w_gu[e % n_sets])
+        w_dn[e].copy_to_device(w_dn[e % n_sets])
+    sgu, sdn = moe.pack_experts([shared], BF16)
+    layer = moe.MoEWeights(gate_w=cuda.to_device(gate), bias=cuda.to_device(bias),
+                           w_gate_up=w_gu, w_down=w_dn,
+                           shared_gate_up=cuda.to_device(sgu), shared_down=cuda.to_device(sdn),
+                           n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
+                           norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor)
+    ref = MoE.__new__(MoE)
+    ref.cfg, ref.gate, ref.bias = cfg, gate.astype(np.float64), bias.astype(np.float64)
+    ref.experts = _LazyExperts([Mlp(*(a.astype(np.float64) for a in s)) for s in sets])
+    ref.shared = Mlp(*(a.astype(np.float64) for a in shared))
+    scratch = moe.MoEScratch.allocate(cfg, 64)
+    w_route = {PREFIX + "gate.weight": gate, PREFIX + "gate.e_score_correction_bias": bias}
+    for M in (1, 16, 64):
+        b = _draw_b(rng, cfg, w_route, M)
+        out = cuda.to_device(poisoned((M, D)))
+        d_b = cuda.to_device(b)
+        moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False)
+        err = rel_err(out.copy_to_host(), ref(b.astype(np.float64)))
+        dt = _time_forward(layer, scratch, d_b, out, M)
+        print(f"kimi-k2 bf16 M={M}: rel_err {err:.2e}, {dt * 1e6:.0f} us/forward")
+        assert err < BF16_BOUND
