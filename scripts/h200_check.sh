@@ -24,6 +24,7 @@ step pytest_gpu_engine 300 python3 -m pytest -q -m gpu tests/test_engine_cuda.py
 if [ "$MODE" = full ]; then
   step pytest_gpu_kernels 420 python3 -m pytest -q -m gpu -x tests/test_kernels_linear.py tests/test_kernels_elementwise.py \
     tests/test_kernels_mla.py tests/test_kernels_moe.py tests/test_ddtree_kernels.py tests/test_kernels_randn.py -p no:cacheprovider
+  step bench_kernels 300 python3 -m kdt.kernels.bench --json "$OUT/kernels-$day-bf16.json"
   step bench_tiny 300 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 --json "$OUT/bench-$day-tiny.json"
   step bench_moonlight 420 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json"
 fi

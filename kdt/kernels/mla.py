@@ -278,6 +278,21 @@ def _attention_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, BT: int):
     if 1 << LOGG != G:
         raise ValueError(f"lane group {G} must be a power of two")
 
+    @cuda.jit(device=True, inline="always")
+    def load_tile(pc, pp, c_kv, k_pe, t0, t_hi, tid):
+        """This thread's share of the key tile [t0, t0+BT) into registers: c_kv columns tid + NT*c
+        (pc[NLC]) and k_pe (+ pad) elements (pp[NLP]); rows past t_hi clamp to t_hi-1 (masked later)."""
+        for i in range(NLC):
+            pc[i] = c_kv[min(t0 + i // CPR, t_hi - 1), tid + NT * (i % CPR)]
+        for i in range(NLP):
+            idx = tid + NT * i
+            tt = idx // PEP
+            f = idx - tt * PEP
+            v = float32(0)
+            if tt < BT and f < dr:
+                v = k_pe[min(t0 + tt, t_hi - 1), f]
+            pp[i] = v
+
     @cuda.jit
     def mla_attention_kernel(q_abs, q_pe, c_kv, k_pe, L, vis, scale, kps, o_lat, part):
         """q_abs[M, H, Rkv], q_pe[M, H, dr] f32; c_kv[max_len, Rkv], k_pe[max_len, dr] f32;
@@ -337,16 +352,7 @@ def _attention_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, BT: int):
         pc = cuda.local.array(NLC, float32)
         pp = cuda.local.array(NLP, float32)
         if t_lo < t_hi:
-            for i in range(NLC):
-                pc[i] = c_kv[min(t_lo + i // CPR, t_hi - 1), tid + NT * (i % CPR)]
-            for i in range(NLP):
-                idx = tid + NT * i
-                tt = idx // PEP
-                f = idx - tt * PEP
-                v = float32(0)
-                if tt < BT and f < dr:
-                    v = k_pe[min(t_lo + tt, t_hi - 1), f]
-                pp[i] = v
+            load_tile(pc, pp, c_kv, k_pe, t_lo, t_hi, tid)
         for t0 in range(t_lo, t_hi, BT):
             # ---- registers -> shared tile [c_kv | k_pe | 0 pad]; then prefetch the next tile ----
             cuda.syncthreads()
@@ -360,16 +366,7 @@ def _attention_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, BT: int):
             cuda.syncthreads()
             t1 = t0 + BT
             if t1 < t_hi:
-                for i in range(NLC):
-                    pc[i] = c_kv[min(t1 + i // CPR, t_hi - 1), tid + NT * (i % CPR)]
-                for i in range(NLP):
-                    idx = tid + NT * i
-                    tt = idx // PEP
-                    f = idx - tt * PEP
-                    v = float32(0)
-                    if tt < BT and f < dr:
-                        v = k_pe[min(t1 + tt, t_hi - 1), f]
-                    pp[i] = v
+                load_tile(pc, pp, c_kv, k_pe, t1, t_hi, tid)
             # ---- scores s[a, tt] (all lanes of the group get the full dot) ----
             for a in range(A):
                 mt[a] = NEG_INF
