@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,3 +70,25 @@ def test_verify_corrupt_file_exit_2(tmp_path):
     bad = tmp_path / "bad.h5"
     bad.write_bytes(FIXTURE.read_bytes()[: 4096])
     one_line_error(kdt("verify", bad), "bad.h5")
+
+
+@pytest.mark.parametrize("damage, needles", [
+    ("delete", ["missing dataset", "/weights/model.layers.1.self_attn.o_proj.weight"]),
+    ("reshape", ["/weights/model.norm.weight", "shape"]),
+])
+def test_verify_damaged_fixture_exit_2(tmp_path, damage, needles):
+    import shutil
+
+    import h5py
+
+    bad = tmp_path / "damaged.h5"
+    shutil.copy(FIXTURE, bad)
+    with h5py.File(bad, "r+") as f:
+        if damage == "delete":
+            del f["weights/model.layers.1.self_attn.o_proj.weight"]
+        else:
+            attrs = dict(f["weights/model.norm.weight"].attrs)
+            del f["weights/model.norm.weight"]
+            f.create_dataset("weights/model.norm.weight", data=np.ones(7, np.float32))
+            f["weights/model.norm.weight"].attrs.update(attrs)
+    one_line_error(kdt("verify", bad), *needles)
