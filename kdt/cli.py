@@ -153,6 +153,10 @@ def generate(
         fail("--max-new-tokens must be >= 1")
     if budget < 0 or block_size < 2:
         fail("--budget must be >= 0 and --block-size >= 2")
+    from kdt.kernels.ddtree import MAX_BUDGET
+
+    if budget > MAX_BUDGET:
+        fail(f"--budget {budget} is above the largest tree kdt builds ({MAX_BUDGET} nodes)")
     fx = _load(model)
     cfg = fx.config
     tok = load_tokenizer(fx.tokenizer)
@@ -185,7 +189,7 @@ def generate(
         err.print(f"backend: {describe_backend(be, dtype)}; drafter: {drafter}; budget {use_budget}",
                   highlight=False)
     with err.status("loading model (first CUDA use compiles kernels)...") if be == "cuda" else _null():
-        target = load_target(cfg, fx.weights, be, dtype, max_len)
+        target = load_target(cfg, fx.weights, be, dtype, max_len, max_tokens=max(256, use_budget + 1))
     stream = tok.stream()
 
     def on_tokens(new):

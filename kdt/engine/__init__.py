@@ -33,10 +33,12 @@ def describe_backend(backend: str, dtype: str) -> str:
     return f"cuda ({where}, {dtype} weights, fp32 activations)"
 
 
-def load_target(cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str = "auto", dtype: str = "float32",
-                max_len: int | None = None):
+def load_target(cfg: ModelConfig, weights: dict[str, np.ndarray] | None, backend: str = "auto",
+                dtype: str = "float32", max_len: int | None = None, max_tokens: int = 256):
     """A target for the decode loop: ``forward``, ``compact``, ``max_len``, ``cfg`` (and on CUDA,
-    ``tree_ops`` running the DDTree steps on the GPU)."""
+    ``tree_ops`` running the DDTree steps on the GPU). ``max_tokens``: the largest forward the CUDA
+    backend holds buffers for (trees of up to that many nodes; longer prompts prefill in chunks).
+    ``weights`` None: seeded random weights drawn on the device (CUDA only)."""
     if dtype not in DTYPES:
         raise KdtError(f"unknown dtype {dtype!r} (choose from: {', '.join(DTYPES)})")
     backend = resolve_backend(backend)
@@ -44,10 +46,12 @@ def load_target(cfg: ModelConfig, weights: dict[str, np.ndarray], backend: str =
     if backend == "cpu":
         from kdt.reference.model import RefModel
 
+        if weights is None:
+            raise KdtError("the CPU backend needs weights (random weights are drawn on the GPU only)")
         model = RefModel(cfg, weights, dtype=np.float32, max_len=max_len)
     else:
         from kdt.engine.cuda_model import CudaModel
 
-        model = CudaModel(cfg, weights, dtype=dtype, max_len=max_len)
+        model = CudaModel(cfg, weights, dtype=dtype, max_len=max_len, max_tokens=max_tokens)
     model.backend = backend
     return model

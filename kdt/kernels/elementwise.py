@@ -25,9 +25,9 @@ __all__ = ["embedding", "rmsnorm", "silu_mul", "add", "argmax_rows"]
 
 # threads per block. Smaller in the simulator (every thread is a Python thread there); the kernels are
 # the same code for any power-of-two block size >= 32.
-EW_THREADS = 64 if IS_SIM else 256  # elementwise kernels: one block covers EW_THREADS columns of a row
-NORM_THREADS = 64 if IS_SIM else 512  # rmsnorm: one block per row
-ARGMAX_THREADS = 64 if IS_SIM else 1024  # argmax: one block per row
+EW_THREADS = 32 if IS_SIM else 256  # elementwise kernels: one block covers EW_THREADS columns of a row
+NORM_THREADS = 32 if IS_SIM else 512  # rmsnorm: one block per row
+ARGMAX_THREADS = 32 if IS_SIM else 1024  # argmax: one block per row
 ARGMAX_UNROLL = 8  # logits loaded per thread before they are compared (loads in flight)
 _INT32_MAX = 2**31 - 1
 
