@@ -31,6 +31,7 @@ import h5py
 import numpy as np
 
 import kdt
+from kdt.bf16 import bf16_all_finite, bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.config import ModelConfig
 from kdt.errors import KdtError
 from kdt.reference.model import weight_names
@@ -56,24 +57,6 @@ def _one_line(msg: str) -> str:
 
 def _fail(msg: str) -> FixtureError:
     return FixtureError(_one_line(msg))
-
-
-# ---- bf16 bit patterns (identical to kdt.kernels.common, which imports numba; kept here so that
-# reading a config or a fixture stays a light import) ---------------------------------------------
-def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit pattern (uint16), round to nearest even."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    u = a.view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
-    """bf16 bit pattern (uint16) -> float32, exact."""
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def _bf16_all_finite(bits: np.ndarray) -> bool:
-    return not np.any((np.asarray(bits, dtype=np.uint16) & 0x7F80) == 0x7F80)
 
 
 # ---- in-memory objects -----------------------------------------------------------------------------
@@ -301,7 +284,7 @@ class FixtureWriter:
             data = f32_to_bf16_bits(a32) if dtype == "bfloat16" else a32
         else:
             raise _fail(f"weight {name} has dtype {a.dtype}: expected a float array or bf16 bits (uint16)")
-        finite = _bf16_all_finite(data) if dtype == "bfloat16" else bool(np.all(np.isfinite(data)))
+        finite = bf16_all_finite(data) if dtype == "bfloat16" else bool(np.all(np.isfinite(data)))
         if not finite:
             raise _fail(f"weight {name} contains non-finite values")
         ds = f["weights"].create_dataset(name, data=np.ascontiguousarray(data))
@@ -560,7 +543,7 @@ class WeightsReader:
         with _guard(self.path, where):
             a = self._f["weights"][name][...]
         dt = self._dtypes[name]
-        finite = _bf16_all_finite(a) if dt == "bfloat16" else bool(np.all(np.isfinite(a)))
+        finite = bf16_all_finite(a) if dt == "bfloat16" else bool(np.all(np.isfinite(a)))
         if not finite:
             raise _fail(f"{self.path}: dataset {where} contains non-finite values")
         return a, dt

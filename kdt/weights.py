@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kdt.bf16 import round_to_bf16
 from kdt.config import ModelConfig
-from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.reference.model import weight_names
-
-
-def round_to_bf16(a: np.ndarray) -> np.ndarray:
-    return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(a, dtype=np.float32)))
 
 
 def random_weights(cfg: ModelConfig, seed: int, lm_head_gain: float = 2.0) -> dict[str, np.ndarray]:

@@ -15,6 +15,8 @@ import numpy as np
 from numba import config as _nb_config
 from numba import cuda, int32, uint16, uint32
 
+from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401  (host side, re-exported)
+
 IS_SIM: bool = bool(_nb_config.ENABLE_CUDASIM)
 
 WARP = 32
@@ -76,19 +78,6 @@ def weight_loader(dtype):
     if dt == np.float32:
         return f32_identity
     raise TypeError(f"unsupported weight dtype {dt}: kernels take float32 or bf16 (stored as uint16)")
-
-
-def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit pattern (uint16), round to nearest even (host side)."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    u = a.view(np.uint32).astype(np.uint64)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16)
-
-
-def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
-    """bf16 bit pattern (uint16) -> float32 (host side, exact)."""
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def cdiv(a: int, b: int) -> int:
