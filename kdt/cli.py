@@ -319,7 +319,9 @@ def bench(
                                                    bc.prompt_len + 2 * bc.decode_tokens + bc.budget + 64))
     err.print(f"backend: {describe_backend(be, dtype)}; {source}; max_len {max_len}", highlight=False)
     with err.status("loading weights (first CUDA use compiles kernels)..."):
-        target = load_target(cfg, weights, be, dtype, max_len)
+        # buffers for the largest prefill: no chunking inside the timed forwards
+        target = load_target(cfg, weights, be, dtype, max_len,
+                             max_tokens=max(256, max(bc.prefill_sizes), bc.budget + 1))
     peer_obj, peer_note = None, "not requested"
     if peer:
         if not P.available():

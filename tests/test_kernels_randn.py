@@ -8,7 +8,8 @@ from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.kernels.randn import randn_fill, randn_reference
 from kdt.testing import poisoned, rel_err
 
-pytestmark = pytest.mark.kernels
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]  # uint64 wrap in the simulator
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.uint16])

@@ -181,6 +181,8 @@ class DeviceLogits:
         return self._host if dtype is None else self._host.astype(dtype)
 
     def __getitem__(self, idx):
+        if isinstance(idx, (int, np.integer)) and self._host is None:  # one row: copy just that row
+            return self.device[int(idx) % self.shape[0]].copy_to_host()
         return np.asarray(self)[idx]
 
     def __len__(self):
