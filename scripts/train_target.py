@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                     m.e_score_correction_bias += args.bias_update * torch.sign(load.mean() - load)
                     load_stats[n] = load.long().tolist()
         step += 1
-        run_loss += float(loss)
+        run_loss += loss.item()
         run_n += 1
         elapsed = time.perf_counter() - t_loop
         if step % args.log_every == 0 or step == total:
