@@ -159,8 +159,8 @@ def generate(
             k = min(step_budget, target.cfg.vocab_size)
             draft_tokens, draft_logp = drafter.draft(context, depth, k)
             tree = ops.build(root, draft_tokens, draft_logp, step_budget, L)
-        else:
-            tree = ops.build(root, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), 0, L)
+        else:  # autoregressive: the root alone (nothing to build on any backend)
+            tree = build_tree(root, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), 0)
         logits = target.forward(tree.tokens, tree.positions(L), L, tree.visibility)
         choice = ops.choose(logits, temperature, rng)
         accepted, bonus = ops.accept(tree, choice)
