@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 FIXTURE ?= fixtures/model_tiny.h5
+CODE_MODEL ?= fixtures/model_code.h5
 STAMP   := $(VENV)/.kdt-installed
 
 .PHONY: setup run verify generate test test-gpu lint bench gen-ref clean
@@ -15,15 +16,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-run: $(STAMP)  ## the main job: golden checks of the bundled fixture, then a short generation
+run: $(STAMP)  ## the main job: golden checks of the bundled fixture, then code from the demo model
 	$(BIN)/kdt verify $(FIXTURE)
-	$(BIN)/kdt generate --model $(FIXTURE) --prompt "def main():" --max-new-tokens 32
+	$(BIN)/kdt generate --model $(CODE_MODEL) --prompt "def " --max-new-tokens 200
 
 verify: $(STAMP)
 	$(BIN)/kdt verify $(FIXTURE)
 
 generate: $(STAMP)
-	$(BIN)/kdt generate --model $(FIXTURE) --prompt "Hello" --max-new-tokens 32
+	$(BIN)/kdt generate --model $(CODE_MODEL) --prompt "import " --max-new-tokens 200
 
 # Kernel tests run in the CUDA simulator on small shapes; tests/test_compile_ptx.py also compiles
 # every kernel for sm_90 (H200) in a subprocess with the simulator off.
