@@ -23,3 +23,20 @@ def poisoned(shape, dtype=np.float32) -> np.ndarray:
     if dt.kind == "f":
         return np.full(shape, np.nan, dtype=dt)
     return np.full(shape, -7777, dtype=dt)
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def run_kdt(*args, timeout: float = 600):
+    """Run ``python -m kdt.cli ARGS`` from the repository root, as a user would (without the CUDA
+    simulator, whatever the test process runs under); returns the CompletedProcess (text output)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env.setdefault("COLUMNS", "200")
+    return subprocess.run([sys.executable, "-m", "kdt.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)

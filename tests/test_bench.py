@@ -3,24 +3,17 @@ timing assertions; benchmarks are not tests)."""
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 
 from kdt.bench import forward_bytes
 from kdt.config import preset
-
-ROOT = Path(__file__).resolve().parent.parent
+from kdt.testing import run_kdt
 
 
 def test_bench_quick_cpu_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    r = subprocess.run([sys.executable, "-m", "kdt.cli", "bench", "--preset", "tiny", "--quick", "--backend", "cpu",
-                        "--json", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    r = run_kdt("bench", "--preset", "tiny", "--quick", "--backend", "cpu", "--json", out, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["kdt_bench_version"] == 1 and doc["environment"]["backend"] == "cpu"

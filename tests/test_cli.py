@@ -2,22 +2,15 @@
 bad inputs give one clear line and exit code 2."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kdt.testing import run_kdt as kdt
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "model_tiny.h5"
-
-
-def kdt(*args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    return subprocess.run([sys.executable, "-m", "kdt.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
 
 
 def one_line_error(r, *needles):

@@ -21,8 +21,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +42,7 @@ from kdt.errors import KdtError  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
 from kdt.reference.decode import ar_generate  # noqa: E402
 from kdt.reference.model import RefModel, causal_block, weight_names  # noqa: E402
-from kdt.testing import rel_err  # noqa: E402
+from kdt.testing import rel_err, run_kdt  # noqa: E402
 from kdt.tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
@@ -578,11 +576,8 @@ def test_refusals_api(case, base, tmp_path):
     assert os.listdir(out_dir) == ["old.h5"] and (out_dir / "old.h5").read_bytes() == b"keep me"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "kdt.cli", "convert", *args], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=120)
+def _cli(*args: str):
+    return run_kdt("convert", *args, timeout=120)
 
 
 @pytest.mark.parametrize("case", ["unknown_model_type", "missing_config", "missing_shard", "missing_tensor",

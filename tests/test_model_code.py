@@ -4,21 +4,14 @@ it generates Python-looking text, DDTree with the suffix drafter equals plain au
 token for token, and its golden traces verify."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from kdt.testing import run_kdt as kdt
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "fixtures" / "model_code.h5"
-
-
-def kdt(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    return subprocess.run([sys.executable, "-m", "kdt.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
 
 
 def generate_json(*args):
