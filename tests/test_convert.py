@@ -47,7 +47,6 @@ from kdt.tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 
-REPO = Path(__file__).resolve().parent.parent
 N_NEW = 32
 MARGIN = 1e-4
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,

@@ -68,6 +68,20 @@ else:
 
 
 @cuda.jit(device=True, inline=True)
+def _tree_reduce(red, tid, n, take_max):
+    """Sum (or max, with ``take_max``) of red[0:n] over the block, n a power of two; every thread of
+    the block calls it after writing red[tid] and gets the result (left in red[0])."""
+    cuda.syncthreads()
+    st = n // 2
+    while st > 0:
+        if tid < st:
+            red[tid] = max(red[tid], red[tid + st]) if take_max else red[tid] + red[tid + st]
+        cuda.syncthreads()
+        st //= 2
+    return red[0]
+
+
+@cuda.jit(device=True, inline=True)
 def _rope_elem(src, row, off, j, half, interleave, cos_tab, sin_tab, pos):
     """Element j of rope(src[row, off:off+2*half]) at position ``pos`` (ops.apply_rope semantics).
 
@@ -121,14 +135,7 @@ def _kv_latent_write_kernel(norm_dtype: str, NT: int = _KV_NT):
             x = c[m, r]
             ss += x * x
         red[tid] = ss
-        cuda.syncthreads()
-        st = NT // 2
-        while st > 0:
-            if tid < st:
-                red[tid] += red[tid + st]
-            cuda.syncthreads()
-            st //= 2
-        rstd = float32(1) / math.sqrt(red[0] / float32(Rkv) + eps)
+        rstd = float32(1) / math.sqrt(_tree_reduce(red, tid, NT, False) / float32(Rkv) + eps)
         slot = L + m
         for r in range(tid, Rkv, NT):
             c_kv_cache[slot, r] = c[m, r] * rstd * load(kv_a_layernorm[r])
@@ -462,14 +469,7 @@ def mla_combine_kernel(part, S, o_lat):
     for s in range(tid, S, _CB_NT):
         mx = max(mx, part[base0 + s * RS + Rkv])
     red[tid] = mx
-    cuda.syncthreads()
-    st = _CB_NT // 2
-    while st > 0:
-        if tid < st:
-            red[tid] = max(red[tid], red[tid + st])
-        cuda.syncthreads()
-        st //= 2
-    mx = red[0]
+    mx = _tree_reduce(red, tid, _CB_NT, True)
     cuda.syncthreads()
     ls = float32(0)
     for s in range(tid, S, _CB_NT):
@@ -480,14 +480,7 @@ def mla_combine_kernel(part, S, o_lat):
         wts[s] = wv
         ls += wv * part[base0 + s * RS + Rkv + 1]
     red[tid] = ls
-    cuda.syncthreads()
-    st = _CB_NT // 2
-    while st > 0:
-        if tid < st:
-            red[tid] += red[tid + st]
-        cuda.syncthreads()
-        st //= 2
-    inv = float32(1) / red[0]
+    inv = float32(1) / _tree_reduce(red, tid, _CB_NT, False)
     S4 = S - S % 4
     for r in range(tid, Rkv, _CB_NT):
         a0 = float32(0)
