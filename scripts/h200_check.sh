@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh [quick|full]
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench
+# (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=$PWD:/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba_cache
 OUT=${OUT:-out}; mkdir -p "$OUT"
-MODE=${1:-full}
+MODE=${1:-engine}
 day=$(date +%Y-%m-%d)
 summary=()
 step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember the exit code
@@ -18,15 +19,23 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember the ex
   summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")")
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-step verify_cuda_fp32 300 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
-step verify_cuda_bf16 200 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype bf16
-step pytest_gpu_engine 300 python3 -m pytest -q -m gpu tests/test_engine_cuda.py
-if [ "$MODE" = full ]; then
-  step pytest_gpu_kernels 420 python3 -m pytest -q -m gpu -x tests/test_kernels_linear.py tests/test_kernels_elementwise.py \
-    tests/test_kernels_mla.py tests/test_kernels_moe.py tests/test_ddtree_kernels.py tests/test_kernels_randn.py -p no:cacheprovider
-  step bench_kernels 300 python3 -m kdt.kernels.bench --json "$OUT/kernels-$day-bf16.json"
-  step bench_tiny 300 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 --json "$OUT/bench-$day-tiny.json"
-  step bench_moonlight 420 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json"
-fi
+case "$MODE" in
+engine)
+  step verify_cuda_fp32 240 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_cuda_bf16 120 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype bf16
+  step verify_code_cuda 120 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step pytest_gpu_engine 180 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -p no:cacheprovider ;;
+kernels)
+  step pytest_gpu_kernels 420 python3 -m pytest -q -m gpu tests/test_kernels_linear.py tests/test_kernels_elementwise.py \
+    tests/test_kernels_mla.py tests/test_kernels_moe.py tests/test_ddtree_kernels.py tests/test_kernels_randn.py \
+    -p no:cacheprovider
+  step bench_kernels 150 python3 -m kdt.kernels.bench --json "$OUT/kernels-$day-bf16.json" ;;
+bench)
+  step bench_tiny 150 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny.json"
+  step bench_moonlight 420 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json" ;;
+*) echo "usage: $0 engine|kernels|bench"; exit 2 ;;
+esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
