@@ -27,7 +27,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="kdt: DeepSeek-V3 / Kimi-K2 (MLA + MoE) inference with DDTree speculative decoding.\n\n"
-    "The CUDA backend compiles its kernels on first use (about a minute; cached on disk afterwards).",
+    "The CUDA backend compiles its kernels on first use in each process (about a minute).",
 )
 out = Console() if sys.stdout.isatty() else Console(width=160)
 err = Console(stderr=True)
