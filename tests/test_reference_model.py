@@ -132,3 +132,29 @@ def test_config_round_trip_and_hf_dict():
     assert cfg == PRESETS["moonlight-16b-a3b"] and cfg.extra["model_type"] == "deepseek_v3"
     with pytest.raises(KdtError, match="missing"):
         ModelConfig.from_dict({"hidden_size": 8})
+
+
+def test_tiny_fixture_weights_route_to_many_experts(monkeypatch):
+    """gen-ref's weights keep routing non-degenerate: over a 40-token prompt every MoE layer spreads its
+    tokens over most experts, none taking the bulk."""
+    from pathlib import Path
+
+    from kdt.fixture import read_fixture
+
+    fx = read_fixture(Path(__file__).resolve().parent.parent / "fixtures" / "model_tiny.h5")
+    seen = []
+    real = ops.moe_route
+
+    def spy(logits, bias, cfg):
+        idx, w = real(logits, bias, cfg)
+        seen.append(idx)
+        return idx, w
+
+    monkeypatch.setattr(ops, "moe_route", spy)
+    g = fx.golden_by_name("p40")
+    RefModel(fx.config, fx.weights, max_len=64).forward(g.prompt, np.arange(40), 0, causal_block(40))
+    assert len(seen) == fx.config.n_moe_layers
+    for idx in seen:
+        counts = np.bincount(idx.reshape(-1), minlength=fx.config.n_routed_experts)
+        assert np.count_nonzero(counts) >= 6, counts
+        assert counts.max() <= 0.5 * idx.size, counts
