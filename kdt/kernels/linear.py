@@ -187,11 +187,10 @@ def _skinny_source(TM: int, NR: int, U: int, PACK: int, NV: int, **_) -> str:
                 s("ce = cw * PACK  # valid elements of the chunk")
                 s("cp = (cw + STEP - 1) // STEP * STEP * PACK  # staged elements (zero past K)")
                 s("cuda.syncthreads()  # everyone is done with the previous chunk")
-                for t in T:  # stage x[m0 + t, chunk]; coalesced along k
-                    with s.block(f"if m0 + {t} < M:"):
-                        with s.block("for r in range(tid, cp, NT):"):
-                            s(f"xs[r % PACK, {t}, r // PACK] = x[m0 + {t}, c0 * PACK + r] if r < ce "
-                              "else float32(0.0)")
+                for t in T:  # stage x[m0 + t, chunk]; coalesced along k; zeros past K and past M
+                    with s.block("for r in range(tid, cp, NT):"):
+                        s(f"xs[r % PACK, {t}, r // PACK] = x[m0 + {t}, c0 * PACK + r] if (r < ce and m0 + {t} < M) "
+                          "else float32(0.0)")
                 s("cuda.syncthreads()")
                 with s.block("if n0 < N:"):
                     with s.block("for i0 in range(0, cw, STEP):  # one STEP of words of the NR rows"):
