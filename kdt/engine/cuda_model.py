@@ -199,7 +199,6 @@ class CudaModel:
         self.dtype = dtype
         wdt = np.uint16 if dtype == "bf16" else np.float32
         src = HostWeights(weights, wdt) if weights is not None else RandomWeights(cfg, wdt, seed)
-        self.weights_source = src
         self.embed_tokens = src.matrix("model.embed_tokens.weight")
         self.layers = [load_layer(cfg, src, i) for i in range(cfg.num_hidden_layers)]
         self.norm = src.vector("model.norm.weight")
