@@ -12,9 +12,23 @@ def rel_err(out, ref) -> float:
     ref = np.asarray(ref, dtype=np.float64)
     if out.shape != ref.shape:
         raise ValueError(f"shape mismatch: out {out.shape} vs ref {ref.shape}")
-    if not np.all(np.isfinite(out)):
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
+    err = float("inf")
+    if np.all(np.isfinite(out)):
+        err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
+    _log_err(ref.shape, err)
+    return err
+
+
+def _log_err(shape, err: float) -> None:
+    """With ``KDT_ERR_LOG=PATH`` every measured error is appended there as ``test<TAB>shape<TAB>err``
+    (``scripts/err_table.py`` turns the file into the per-test table of an H200 run)."""
+    import os
+
+    path = os.environ.get("KDT_ERR_LOG")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(path, "a") as f:
+            f.write(f"{test}\t{'x'.join(map(str, shape))}\t{err:.3e}\n")
 
 
 def poisoned(shape, dtype=np.float32) -> np.ndarray:

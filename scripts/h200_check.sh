@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -25,11 +25,21 @@ engine)
   step verify_cuda_bf16 120 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype bf16
   step verify_code_cuda 120 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
   step pytest_gpu_engine 180 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -p no:cacheprovider ;;
-kernels)
-  step pytest_gpu_kernels 420 python3 -m pytest -q -m gpu tests/test_kernels_linear.py tests/test_kernels_elementwise.py \
-    tests/test_kernels_mla.py tests/test_kernels_moe.py tests/test_ddtree_kernels.py tests/test_kernels_randn.py \
-    -p no:cacheprovider
+kernels)  # every measured error goes to $OUT/errors.tsv; the per-test table to $OUT/errors.md
+  export KDT_ERR_LOG="$OUT/errors.tsv"
+  step pytest_gpu_kernels 420 python3 -m pytest -q -m gpu tests/test_kernels_linear.py \
+    tests/test_kernels_elementwise.py tests/test_kernels_mla.py tests/test_kernels_moe.py tests/test_ddtree_kernels.py \
+    tests/test_kernels_randn.py -p no:cacheprovider --durations=15
+  python3 scripts/err_table.py "$OUT/errors.tsv" > "$OUT/errors.md" 2>&1
   step bench_kernels 150 python3 -m kdt.kernels.bench --json "$OUT/kernels-$day-bf16.json" ;;
+all-engine)  # the engine, convert and the bench in one call (< 10 min)
+  step verify_cuda_fp32 120 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step pytest_gpu_engine 200 python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_convert.py \
+    -p no:cacheprovider --durations=10
+  step bench_tiny 100 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny.json"
+  step bench_moonlight 240 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json" ;;
 bench)
   step bench_tiny 150 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
     --json "$OUT/bench-$day-tiny.json"

@@ -7,7 +7,8 @@ checkpoints come (``save_pretrained``; transformers-5's fused expert layout in s
 
 - every converted weight equals transformers' parameter bit for bit,
 - the float64 ``RefModel`` forward gives transformers' logits (float32, eager) within 1e-5 relative,
-- 32 greedy tokens of kdt (``ar_generate`` over RefModel float64 and over the CPU engine) equal
+- 32 greedy tokens of kdt (``ar_generate`` over RefModel float64 and over the CPU engine, or the CUDA
+  engine with ``-m gpu``) equal
   ``generate(do_sample=False)``, compared up to the first step whose transformers top-1/top-2 margin is
   below 1e-4 (an argmax that float32 noise may flip), and the per-step logits agree within 1e-5.
 
@@ -262,10 +263,13 @@ def _round_bf16_(m) -> None:
                 p.copy_(p.to(torch.bfloat16).float())
 
 
+@pytest.mark.parametrize("engine", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_convert_matches_transformers(variant, tmp_path, rng):
+def test_convert_matches_transformers(variant, engine, tmp_path, rng):
+    """``engine``: the kdt backend that must reproduce transformers' greedy tokens besides the float64
+    reference (cpu in CI; cuda, float32 weights, on a GPU with ``-m gpu``)."""
     spec = VARIANTS[variant]
-    hcfg = hf_config(rng, **spec["cfg"])
+    hcfg = hf_config(rng, **spec["cfg"], **({"kv_lora_rank": 32} if engine == "cuda" else {}))  # GPU lanes
     m = hf_model(hcfg, rng)
     if spec["save"] == "bf16":
         _round_bf16_(m)
@@ -328,7 +332,7 @@ def test_convert_matches_transformers(variant, tmp_path, rng):
     k = int(thin[0]) if thin.size else N_NEW  # the tokens chosen before the first razor-thin margin
     assert k >= 8, f"transformers' greedy margin is razor thin at step {k}"
     for name, target in (("ref-f64", RefModel(cfg, fx.weights, max_len=P + N_NEW + 2)),
-                         ("cpu-engine", load_target(cfg, fx.weights, backend="cpu", max_len=P + N_NEW + 2))):
+                         (f"{engine}-engine", load_target(cfg, fx.weights, backend=engine, max_len=P + N_NEW + 2))):
         res = ar_generate(target, prompt, N_NEW, keep_logits=True)
         assert res.tokens[:k] == hf_tokens[:k], (name, res.tokens, hf_tokens)
         got = np.asarray(res.logits[:k], dtype=np.float64)

@@ -19,6 +19,7 @@ from kdt.kernels.ddtree import (
     accept_gpu,
     build_tree_gpu,
     compact_gpu,
+    stage_tree,
 )
 from kdt.reference.ddtree import Tree, build_tree, compact_cache, follow_verified_tree
 from kdt.testing import poisoned
@@ -182,6 +183,16 @@ def test_device_pipeline(rng):
     d_tree = build_tree_gpu(*(cuda.to_device(a) for a in (root, tokens, logp)), budget, cuda.to_device(L))
     assert all(hasattr(a, "copy_to_host") for a in d_tree)
     tree = build_tree(root[0], tokens[0], logp[0], budget)
+    # stage_tree: the tree as the forward reads it (tokens, positions, [n, n] mask), poisoned first
+    n, M_max = tree.n, budget + 3
+    s_tok, s_pos = cuda.to_device(poisoned(M_max, np.int64)), cuda.to_device(poisoned(M_max, np.int64))
+    s_vis = cuda.to_device(poison(M_max * M_max, np.uint8))
+    stage_tree[1, 64](d_tree.tokens, d_tree.positions, d_tree.visibility, d_tree.n_nodes, np.int32(0),
+                      s_tok, s_pos, s_vis)
+    np.testing.assert_array_equal(s_tok.copy_to_host()[:n], tree.tokens)
+    np.testing.assert_array_equal(s_pos.copy_to_host()[:n], tree.positions(2))
+    np.testing.assert_array_equal(s_vis.copy_to_host()[: n * n].reshape(n, n), tree.visibility.astype(np.uint8))
+    assert (s_tok.copy_to_host()[n:] == -7777).all() and (s_vis.copy_to_host()[n * n:] == 0xAB).all()
     tc = following_choices(tree, rng, budget + 1, p_follow=1.0)[None]
     d_acc = accept_gpu(
         d_tree.first_child, d_tree.next_sibling, d_tree.tokens, cuda.to_device(tc), d_tree.n_nodes

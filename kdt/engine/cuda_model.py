@@ -20,10 +20,11 @@ import numpy as np
 from numba import cuda
 
 from kdt.config import ModelConfig
+from kdt.errors import KdtError
 from kdt.kernels import ddtree as kd
 from kdt.kernels import elementwise as ew
 from kdt.kernels import mla, moe
-from kdt.kernels.common import f32_to_bf16_bits
+from kdt.kernels.common import IS_SIM, f32_to_bf16_bits
 from kdt.kernels.linear import linear
 from kdt.reference.decode import TreeOps
 from kdt.reference.model import layer_prefix
@@ -145,9 +146,14 @@ class Buffers:
         Rkv, dr, dn, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
         f32 = lambda *s: cuda.device_array(s, dtype=np.float32)  # noqa: E731
         self.M_max = M_max
-        self.tokens = cuda.device_array(M_max, dtype=np.int64)
-        self.positions = cuda.device_array(M_max, dtype=np.int64)
+        # the per-forward inputs [tokens | positions | L] in one array, so one copy uploads them
+        self.stage = cuda.device_array(2 * M_max + 1, dtype=np.int64)
+        self.stage_host = cuda.pinned_array(2 * M_max + 1, dtype=np.int64)
+        self.tokens, self.positions = self.stage[:M_max], self.stage[M_max: 2 * M_max]
+        self.L = self.stage[2 * M_max:]  # the prefix length of the running forward
         self.vis = cuda.device_array(M_max * M_max, dtype=np.uint8)  # [M, M] block, contiguous per M
+        self.vis_host: bytes | None = None  # what b.vis holds, when it came from the host
+        self.acc = cuda.device_array(M_max, dtype=np.int32)  # accepted node indices, for compaction
         self.x = f32(M_max, D)  # residual stream
         self.a = f32(M_max, D)  # normed input of attention / MLP
         self.qa = f32(M_max, cfg.q_lora_rank) if cfg.q_lora_rank else None
@@ -160,11 +166,50 @@ class Buffers:
         self.h = f32(M_max, cfg.intermediate_size) if cfg.first_k_dense_replace else None
         self.logits = f32(M_max, V)
         self.choice = cuda.device_array(M_max, dtype=np.int64)
-        # flash-decoding partials: the most any M <= M_max needs at the longest prefix
-        attn = max(mla.mla_scratch_size(m, H, Rkv, mla.mla_num_splits(max_len, m, H, Rkv, dr))
-                   for m in range(1, M_max + 1))
+        # flash-decoding splits per token count, fixed for every L (splits past L+M stay empty), so
+        # the launches of a forward depend on M alone and a CUDA graph can replay them
+        self.attn_splits = [0] + [mla.mla_num_splits(max_len, m, H, Rkv, dr) for m in range(1, M_max + 1)]
+        attn = max(mla.mla_scratch_size(m, H, Rkv, self.attn_splits[m]) for m in range(1, M_max + 1))
         self.attn_scratch = cuda.device_array(max(1, attn), np.float32)
         self.moe = moe.MoEScratch.allocate(cfg, M_max) if cfg.n_moe_layers else None
+
+
+class ForwardGraphs:
+    """CUDA graphs of the forward, one per token count M (SPEC section 5: a forward is hundreds of
+    launches; from Python each costs ~20 us of host time, replayed from a graph ~1 us).
+
+    The first forward of a given M runs directly (it compiles its kernels and allocates any lazy
+    scratch); the second captures the launches with a ``cuda.core`` graph builder, and every later one
+    replays the graph on the legacy default stream, in order with Numba's copies on stream 0. The graph
+    keeps its launch arguments, which is why the forward reads every per-step value from device buffers.
+    """
+
+    def __init__(self, launch, max_graphs: int = 64):
+        from cuda.core import LEGACY_DEFAULT_STREAM, Device
+
+        self.launch, self.max_graphs = launch, max_graphs
+        self.device = Device()
+        self.device.set_current()
+        self.stream = LEGACY_DEFAULT_STREAM
+        self.graphs: dict[int, object] = {}
+        self.seen: set[int] = set()
+
+    def run(self, M: int) -> None:
+        g = self.graphs.get(M)
+        if g is None and M in self.seen and len(self.graphs) < self.max_graphs:
+            g = self.graphs[M] = self._capture(M)
+        if g is None:
+            self.seen.add(M)
+            self.launch(M)
+        else:
+            g.launch(self.stream)
+
+    def _capture(self, M: int):
+        cuda.synchronize()  # the capture stream must not overtake work queued on stream 0
+        gb = self.device.create_graph_builder()
+        gb.begin_building()
+        self.launch(M, gb)
+        return gb.end_building().complete()
 
 
 class DeviceLogits:
@@ -193,8 +238,12 @@ class CudaModel:
     """The target model on the GPU (see module docstring). dtype: "float32" | "bf16" weights."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray] | None, dtype: str = "float32",
-                 max_len: int = 4096, max_tokens: int = 256, seed: int = 0):
-        """``weights`` None draws seeded random weights on the device (:class:`RandomWeights`)."""
+                 max_len: int = 4096, max_tokens: int = 256, seed: int = 0, graphs: bool | None = None):
+        """``weights`` None draws seeded random weights on the device (:class:`RandomWeights`).
+        ``graphs``: replay each forward from a CUDA graph per token count (default: on a real GPU)."""
+        if cfg.kv_lora_rank % 32 and not IS_SIM:
+            raise KdtError(f"the CUDA attention kernels need kv_lora_rank % 32 == 0 (this model has "
+                           f"{cfg.kv_lora_rank}); use --backend cpu")
         self.cfg, self.max_len = cfg, int(max_len)
         self.dtype = dtype
         wdt = np.uint16 if dtype == "bf16" else np.float32
@@ -211,6 +260,8 @@ class CudaModel:
         self.M_max = int(max_tokens)
         self.buf = Buffers(cfg, self.M_max, self.max_len)
         self.tree_ops = CudaTreeOps(self)
+        use = (not IS_SIM) if graphs is None else bool(graphs)
+        self.graphs = ForwardGraphs(self._forward_device) if use else None
         self.record_experts: list[int] | None = None  # bench: distinct experts per MoE layer, when a list
 
     # ---- the single forward -----------------------------------------------------------------------
@@ -234,84 +285,130 @@ class CudaModel:
                 rows.append(np.asarray(self.forward(tokens[s:e], positions[s:e], L + s, mask[s:e, s:e])))
             return np.concatenate(rows)
         b = self.buf
-        b.tokens[:M].copy_to_device(tokens)
-        b.positions[:M].copy_to_device(positions)
-        b.vis[: M * M].copy_to_device(mask.astype(np.uint8).reshape(-1))
-        self._forward_device(M, int(L))
+        h = b.stage_host
+        h[:M], h[b.M_max: b.M_max + M], h[-1] = tokens, positions, L
+        b.stage.copy_to_device(h)
+        vis = mask.astype(np.uint8).reshape(-1)
+        if b.vis_host != vis.tobytes():  # AR steps and prefill chunks repeat their mask
+            b.vis[: M * M].copy_to_device(vis)
+            b.vis_host = vis.tobytes()
+        self._run(M)
         return DeviceLogits(b.logits[:M])
 
-    def _forward_device(self, M: int, L: int) -> None:
+    def _run(self, M: int) -> None:
+        """The forward of the M tokens staged in the buffers: replayed from a CUDA graph when one is
+        captured for M, else launched directly (the bench's expert count needs the direct path)."""
+        if self.graphs is None or self.record_experts is not None:
+            self._forward_device(M)
+        else:
+            self.graphs.run(M)
+
+    def _forward_device(self, M: int, stream=0) -> None:
+        """Launch every kernel of the forward of M tokens on ``stream`` (0, or a graph builder).
+        Everything that changes from step to step (tokens, positions, mask, L) is read from the
+        buffers, so the launches depend on M alone."""
         cfg, b = self.cfg, self.buf
-        eps = cfg.rms_norm_eps
+        eps, s = cfg.rms_norm_eps, stream
         tokens, positions = b.tokens[:M], b.positions[:M]
         x, a = b.x[:M], b.a[:M]
-        ew.embedding(tokens, self.embed_tokens, x)
+        ew.embedding(tokens, self.embed_tokens, x, stream=s)
         vis = b.vis[: M * M].reshape(M, M)
         for i, lw in enumerate(self.layers):
-            ew.rmsnorm(x, lw.input_layernorm, eps, a)
+            ew.rmsnorm(x, lw.input_layernorm, eps, a, stream=s)
             q = b.q[:M]
             if lw.q_proj is None:
-                linear(a, lw.q_a_proj, b.qa[:M])
-                ew.rmsnorm(b.qa[:M], lw.q_a_layernorm, eps, b.qa[:M])
-                linear(b.qa[:M], lw.q_b_proj, q)
+                linear(a, lw.q_a_proj, b.qa[:M], stream=s)
+                ew.rmsnorm(b.qa[:M], lw.q_a_layernorm, eps, b.qa[:M], stream=s)
+                linear(b.qa[:M], lw.q_b_proj, q, stream=s)
             else:
-                linear(a, lw.q_proj, q)
-            linear(a, lw.kv_a_proj_with_mqa, b.c[:M])
-            mla.kv_latent_write(b.c[:M], lw.kv_a_layernorm, eps, positions, self.cos_tab, self.sin_tab, L,
-                                self.c_kv[i], self.k_pe[i], cfg.rope_interleave)
+                linear(a, lw.q_proj, q, stream=s)
+            linear(a, lw.kv_a_proj_with_mqa, b.c[:M], stream=s)
+            mla.kv_latent_write(b.c[:M], lw.kv_a_layernorm, eps, positions, self.cos_tab, self.sin_tab, b.L,
+                                self.c_kv[i], self.k_pe[i], cfg.rope_interleave, stream=s)
             mla.q_absorb(q, lw.kv_b_proj, positions, self.cos_tab, self.sin_tab, cfg.rope_interleave,
-                         b.q_abs[:M], b.q_pe[:M])
-            mla.mla_attention(b.q_abs[:M], b.q_pe[:M], self.c_kv[i], self.k_pe[i], L, vis, cfg.softmax_scale,
-                              b.o_lat[:M], scratch=b.attn_scratch)
-            mla.uv_project(b.o_lat[:M], lw.kv_b_proj, b.o[:M])
-            linear(b.o[:M], lw.o_proj, x, accumulate=True)  # x += o_proj(o)
-            ew.rmsnorm(x, lw.post_attention_layernorm, eps, a)
+                         b.q_abs[:M], b.q_pe[:M], stream=s)
+            mla.mla_attention(b.q_abs[:M], b.q_pe[:M], self.c_kv[i], self.k_pe[i], b.L, vis, cfg.softmax_scale,
+                              b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s)
+            mla.uv_project(b.o_lat[:M], lw.kv_b_proj, b.o[:M], stream=s)
+            linear(b.o[:M], lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
+            ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s)
             if lw.moe is not None:
-                moe.moe_forward(a, lw.moe, b.moe, x, M=M, accumulate=True)
+                moe.moe_forward(a, lw.moe, b.moe, x, M=M, accumulate=True, stream=s)
                 if self.record_experts is not None:
                     self.record_experts.append(int(b.moe.n_active.copy_to_host()[0]))
             else:
-                moe.dense_mlp(a, lw.mlp_gate_up, lw.mlp_down, b.h, x, M=M, accumulate=True)
-        ew.rmsnorm(x, self.norm, eps, a)
-        linear(a, self.lm_head, b.logits[:M])
+                moe.dense_mlp(a, lw.mlp_gate_up, lw.mlp_down, b.h, x, M=M, accumulate=True, stream=s)
+        ew.rmsnorm(x, self.norm, eps, a, stream=s)
+        linear(a, self.lm_head, b.logits[:M], stream=s)
 
     def compact(self, L: int, accepted) -> None:
         """Move cache slots L+accepted[i] -> L+i in every layer (one race-free kernel)."""
         acc = np.ascontiguousarray(accepted, dtype=np.int32)
-        kd.compact_gpu(self.c_kv, self.k_pe, int(L), acc, int(acc.shape[0]))
+        if np.array_equal(acc, np.arange(acc.shape[0])):
+            return  # the accepted path already sits in slots [L, L + n): nothing moves (AR, chains)
+        self.buf.acc[: acc.shape[0]].copy_to_device(acc)
+        kd.compact_gpu(self.c_kv, self.k_pe, int(L), self.buf.acc, int(acc.shape[0]))
 
 
 @dataclass
 class GpuTree:
-    """A tree built on the GPU, as the decode loop needs it (host copies; node 0 is the root)."""
+    """A tree built on the GPU, left there: its arrays are request 0 of ``bufs`` (kernel outputs); the
+    host knows only the node count. Node 0 is the root."""
 
-    tokens: np.ndarray  # [n] int64
-    depth: np.ndarray  # [n] int32
-    parent: np.ndarray  # [n] int32
-    first_child: np.ndarray  # [n] int32
-    next_sibling: np.ndarray  # [n] int32
-    visibility: np.ndarray  # [n, n] bool
+    bufs: kd.TreeBuffers
+    n: int
 
-    @property
-    def n(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def positions(self, L: int) -> np.ndarray:
-        return np.int64(L) + self.depth.astype(np.int64)
+    def host(self, field: str) -> np.ndarray:
+        """One field (tokens, depth, parent, ...) of this tree on the host, for tests and debugging."""
+        a = getattr(self.bufs, field).copy_to_host()[0]
+        return a[: self.n, : self.n] if field == "visibility" else a[: self.n]
 
 
 class CudaTreeOps(TreeOps):
-    """DDTree steps with the GPU kernels: tree build, greedy target choice (argmax), accept."""
+    """DDTree steps with the GPU kernels, the tree never leaving the device: tree_build into persistent
+    buffers, stage_tree into the forward's inputs, argmax, tree_accept on the device choice. Per step
+    the host uploads the draft (two copies) and reads back the node count, the choices and the
+    accepted path."""
 
     def __init__(self, model: CudaModel):
         self.model = model
+        b = model.buf
+        self.nmax = min(b.M_max, kd.MAX_BUDGET + 1)
+        self.tree = kd.alloc_tree(1, self.nmax)
+        self.root = cuda.device_array(1, np.int64)
+        self.acc = kd.AcceptBuffers(cuda.device_array((1, self.nmax), np.int32), cuda.device_array(1, np.int32),
+                                    cuda.device_array(1, np.int64))
+        self._draft: dict[tuple[int, int], tuple] = {}  # (D, K) -> device draft_tokens, draft_logp
 
     def build(self, root, draft_tokens, draft_logp, budget, L):
-        tb = kd.build_tree_gpu(np.array([root], np.int64), np.asarray(draft_tokens, np.int64)[None],
-                               np.asarray(draft_logp, np.float32)[None], int(budget), np.array([L], np.int64))
-        n = int(tb.n_nodes[0])
-        return GpuTree(tb.tokens[0, :n], tb.depth[0, :n], tb.parent[0, :n], tb.first_child[0, :n],
-                       tb.next_sibling[0, :n], tb.visibility[0, :n, :n].astype(bool))
+        if budget + 1 > self.nmax:
+            raise ValueError(f"a tree of budget {budget} needs {budget + 1} nodes; this model verifies at most "
+                             f"{self.nmax} tokens per forward (max_tokens)")
+        dt = np.ascontiguousarray(draft_tokens, np.int64)[None]
+        dl = np.ascontiguousarray(draft_logp, np.float32)[None]
+        key = dt.shape[1:]
+        if key not in self._draft:
+            self._draft[key] = (cuda.device_array(dt.shape, np.int64), cuda.device_array(dl.shape, np.float32))
+        d_tok, d_logp = self._draft[key]
+        d_tok.copy_to_device(dt)
+        d_logp.copy_to_device(dl)
+        self.root.copy_to_device(np.array([root], np.int64))
+        b = self.model.buf
+        b.L.copy_to_device(np.array([L], np.int64))
+        kd.build_tree_gpu(self.root, d_tok, d_logp, int(budget), b.L, out=self.tree)
+        return GpuTree(self.tree, int(self.tree.n_nodes.copy_to_host()[0]))
+
+    def verify(self, target, tree, L):
+        if not isinstance(tree, GpuTree):
+            return super().verify(target, tree, L)
+        m, t, n = self.model, self.tree, tree.n
+        b = m.buf
+        threads = 256
+        kd.stage_tree[max(1, -(-n * n // threads)), threads](t.tokens, t.positions, t.visibility, t.n_nodes,
+                                                             np.int32(0), b.tokens, b.positions, b.vis)
+        b.vis_host = None  # b.vis now holds the tree's mask
+        m._run(n)
+        return DeviceLogits(b.logits[:n])
 
     def choose(self, logits, temperature, rng):
         if temperature > 0 or not isinstance(logits, DeviceLogits):
@@ -322,8 +419,14 @@ class CudaTreeOps(TreeOps):
         return out.copy_to_host()
 
     def accept(self, tree, choice):
-        n = tree.n
-        ab = kd.accept_gpu(tree.first_child[None], tree.next_sibling[None], tree.tokens[None],
-                           np.asarray(choice, np.int64)[None], np.array([n], np.int32))
-        k = int(ab.n_accepted[0])
-        return ab.accepted[0, :k].astype(np.int64), int(ab.bonus[0])
+        if not isinstance(tree, GpuTree):
+            return super().accept(tree, choice)
+        t, n = self.tree, tree.n
+        if n > 1:  # the device choice of the last verify (``choice`` is its host copy)
+            ch = self.model.buf.choice[: self.nmax].reshape(1, self.nmax)
+            kd.accept_gpu(t.first_child, t.next_sibling, t.tokens, ch, t.n_nodes, out=self.acc)
+            row = self.acc.accepted[0].copy_to_host()  # the path, padded with -1: one copy
+            accepted = row[row >= 0].astype(np.int64)
+        else:
+            accepted = np.zeros(1, np.int64)
+        return accepted, int(np.asarray(choice)[accepted[-1]])

@@ -84,6 +84,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def device_scalar(v, dtype=np.int64):
+    """A one-element device array holding ``v``; a device array is passed through unchanged.
+    Kernels that a CUDA graph replays read per-step scalars (e.g. the prefix length L) this way."""
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return cuda.to_device(np.array([v], dtype=dtype))
+    return v
+
+
 def gpu_available() -> bool:
     """A real CUDA device (not the simulator) can be used."""
     if IS_SIM:

@@ -389,6 +389,37 @@ register_ptx(kv_compact, (float32[:, :, ::1], float32[:, :, ::1], int64, _I32_1,
 
 
 # --------------------------------------------------------------------------------------------------
+# stage_tree: a built tree into the forward's input buffers
+# --------------------------------------------------------------------------------------------------
+
+
+@cuda.jit
+def stage_tree(
+    tokens,  # [R, NMAX] int64 (tree_build output)
+    positions,  # [R, NMAX] int64
+    visibility,  # [R, NMAX, NMAX] uint8
+    n_nodes,  # [R] int32
+    r,  # int32 scalar, the request to stage
+    out_tokens,  # out [>= n] int64
+    out_positions,  # out [>= n] int64
+    out_vis,  # out [>= n*n] uint8, the [n, n] block row-major
+):
+    """Request r's tree as the forward reads it, without a host round trip: one thread per element of
+    the [n, n] visibility block (grid covers NMAX * NMAX threads; n is read on the device)."""
+    t = cuda.grid(1)
+    n = n_nodes[r]
+    if t < n * n:
+        i = t // n
+        out_vis[t] = visibility[r, i, t - i * n]
+    if t < n:
+        out_tokens[t] = tokens[r, t]
+        out_positions[t] = positions[r, t]
+
+
+register_ptx(stage_tree, (_I64_2, _I64_2, uint8[:, :, ::1], _I32_1, int32, _I64_1, _I64_1, uint8[::1]))
+
+
+# --------------------------------------------------------------------------------------------------
 # Python wrappers
 # --------------------------------------------------------------------------------------------------
 

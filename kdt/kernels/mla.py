@@ -31,7 +31,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint8, uint16
 
-from kdt.kernels.common import IS_SIM, cdiv, register_ptx, weight_loader
+from kdt.kernels.common import IS_SIM, cdiv, device_scalar, register_ptx, weight_loader
 
 NEG_INF = float32(-np.inf)
 MAX_SPLITS = 128  # flash-decoding splits per (token, head) at most (shared weights of the combine)
@@ -120,10 +120,10 @@ def _kv_latent_write_kernel(norm_dtype: str, NT: int = _KV_NT):
     load = weight_loader(np.dtype(norm_dtype))
 
     @cuda.jit
-    def kv_latent_write_kernel(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L, c_kv_cache,
+    def kv_latent_write_kernel(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache,
                                k_pe_cache, interleave):
-        """c[M, Rkv+dr] f32, kv_a_layernorm[Rkv] (f32|bf16), positions[M] i64, cos/sin_tab[P, dr/2]
-        -> c_kv_cache[L+m, :Rkv] = rmsnorm(c[m, :Rkv]), k_pe_cache[L+m, :dr] = rope(c[m, Rkv:]).
+        """c[M, Rkv+dr] f32, kv_a_layernorm[Rkv] (f32|bf16), positions[M] i64, cos/sin_tab[P, dr/2],
+        L_dev[1] i64 -> c_kv_cache[L+m, :Rkv] = rmsnorm(c[m, :Rkv]), k_pe_cache[L+m, :dr] = rope(c[m, Rkv:]).
         Grid (M,), block (NT,)."""
         m = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -136,7 +136,7 @@ def _kv_latent_write_kernel(norm_dtype: str, NT: int = _KV_NT):
             ss += x * x
         red[tid] = ss
         rstd = float32(1) / math.sqrt(_tree_reduce(red, tid, NT, False) / float32(Rkv) + eps)
-        slot = L + m
+        slot = L_dev[0] + m
         for r in range(tid, Rkv, NT):
             c_kv_cache[slot, r] = c[m, r] * rstd * load(kv_a_layernorm[r])
         pos = positions[m]
@@ -153,13 +153,14 @@ def kv_latent_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L, c_kv
 
     c[M, Rkv+dr] f32 (kv_a_proj_with_mqa output); kv_a_layernorm[Rkv] f32 or bf16 (uint16);
     positions[M] int64; cos_tab, sin_tab[max_pos, dr/2] f32; c_kv_cache[max_len, Rkv] f32,
-    k_pe_cache[max_len, dr] f32 (written at rows L..L+M-1 only).
+    k_pe_cache[max_len, dr] f32 (written at rows L..L+M-1 only). ``L``: an int, or an int64 device
+    array of one element (read by the kernel: what a CUDA graph needs).
     """
     M = c.shape[0]
     if M == 0:
         return
     k = _kv_latent_write_kernel(np.dtype(kv_a_layernorm.dtype).name)
-    k[M, _KV_NT, stream](c, kv_a_layernorm, np.float32(eps), positions, cos_tab, sin_tab, np.int64(L),
+    k[M, _KV_NT, stream](c, kv_a_layernorm, np.float32(eps), positions, cos_tab, sin_tab, device_scalar(L),
                          c_kv_cache, k_pe_cache, np.int32(1 if interleave else 0))
 
 
@@ -301,15 +302,17 @@ def _attention_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, BT: int):
             pp[i] = v
 
     @cuda.jit
-    def mla_attention_kernel(q_abs, q_pe, c_kv, k_pe, L, vis, scale, kps, o_lat, part):
+    def mla_attention_kernel(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, part):
         """q_abs[M, H, Rkv], q_pe[M, H, dr] f32; c_kv[max_len, Rkv], k_pe[max_len, dr] f32;
-        vis[M, M] u8; keys t in [0, L+M): t < L visible, t = L+j visible iff vis[m, j].
+        L_dev[1] i64 (L); vis[M, M] u8; keys t in [0, L+M): t < L visible, t = L+j visible iff vis[m, j].
         Grid (cdiv(H, HB), M, n_splits), block (NW*G,). Block = token m, heads HB, keys
-        [s*kps, (s+1)*kps). Lane group w (G lanes) owns heads w*A..w*A+A-1: lane j holds q features
-        j + G*k in registers (scale folded in) and accumulators o[r = j + G*k]; a tile of BT keys of
-        (c_kv | k_pe) is staged in shared memory once and serves all HB heads (scores: per-lane partial
-        dots + xor all-reduce; then online softmax, then p @ c_kv). The next tile's global loads are
-        issued into registers before the current tile is computed (software prefetch).
+        [s*kps, (s+1)*kps), kps = cdiv(L+M, n_splits) rounded up to whole tiles (splits past L+M are
+        empty: running max -inf, sum 0, weight 0 in the combine). Lane group w (G lanes) owns heads
+        w*A..w*A+A-1: lane j holds q features j + G*k in registers (scale folded in) and accumulators
+        o[r = j + G*k]; a tile of BT keys of (c_kv | k_pe) is staged in shared memory once and serves
+        all HB heads (scores: per-lane partial dots + xor all-reduce; then online softmax, then
+        p @ c_kv). The next tile's global loads are issued into registers before the current tile is
+        computed (software prefetch).
         n_splits == 1: writes o_lat[m, h] = acc / l. Else part[((m*H+h)*n_splits+s)*(Rkv+2) + ...] =
         (acc[Rkv], running max, running sum) for mla_combine."""
         hg = cuda.blockIdx.x
@@ -321,7 +324,10 @@ def _attention_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, BT: int):
         j = tid - w * G
         M = q_abs.shape[0]
         H = q_abs.shape[1]
+        L = L_dev[0]
         T = L + M
+        kps = (T + n_splits - 1) // n_splits
+        kps = (kps + BT - 1) // BT * BT
 
         sK = cuda.shared.array((BT, FP), float32)  # key tile: [c_kv | k_pe | 0 pad]
         sS = cuda.shared.array((NW, A, BT), float32)  # scores, then probabilities
@@ -536,18 +542,25 @@ def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scr
     then ``scratch`` (float32 device array of >= :func:`mla_scratch_size` elements) receives the
     partials and :func:`mla_combine` reduces them. Without ``scratch`` one is allocated (not
     graph-capture safe: pass one for CUDA graphs).
+
+    ``L``: an int, or an int64 device array of one element read by the kernel (CUDA graphs: the
+    launch then never depends on L; ``n_splits`` must be given, e.g. ``mla_num_splits(max_len, ...)``,
+    and splits past L+M simply stay empty).
     """
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     if M == 0:
         return
-    L = int(L)
-    T = L + M
     G, A, NW, BT = _attn_params(H, Rkv, dr)
-    S = mla_num_splits(L, M, H, Rkv, dr) if n_splits is None else int(n_splits)
-    S = max(1, min(S, MAX_SPLITS, T))
-    kps = cdiv(cdiv(T, S), BT) * BT  # keys per split, a whole number of tiles
-    S = cdiv(T, kps)
+    if isinstance(L, (int, np.integer)):
+        T = int(L) + M
+        S = mla_num_splits(int(L), M, H, Rkv, dr) if n_splits is None else int(n_splits)
+        S = max(1, min(S, MAX_SPLITS, T))
+        S = cdiv(T, cdiv(cdiv(T, S), BT) * BT)  # no split left empty
+    elif n_splits is None:
+        raise ValueError("mla_attention with L on the device needs n_splits")
+    else:
+        S = max(1, min(int(n_splits), MAX_SPLITS))
     if S > 1:
         need = mla_scratch_size(M, H, Rkv, S)
         if scratch is None:
@@ -560,8 +573,8 @@ def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scr
         part = _dummy_part()
     k = _attention_kernel(Rkv, dr, G, A, NW, BT)
     grid = (cdiv(H, NW * A), M, S)
-    k[grid, NW * G, stream](q_abs, q_pe, c_kv_cache, k_pe_cache, np.int64(L), vis, np.float32(scale),
-                            np.int64(kps), o_lat, part)
+    k[grid, NW * G, stream](q_abs, q_pe, c_kv_cache, k_pe_cache, device_scalar(L), vis, np.float32(scale),
+                            o_lat, part)
     if S > 1:
         mla_combine(part, S, o_lat, stream=stream)
 
@@ -675,7 +688,7 @@ def _register() -> None:
     dn, dr, Rkv = 128, 64, 512
     for wdt, w1 in (("float32", f32_1), ("uint16", u16_1)):
         register_ptx(_kv_latent_write_kernel(wdt, 128),
-                     (f32_2, w1, float32, i64_1, f32_2, f32_2, int64, f32_2, f32_2, int32),
+                     (f32_2, w1, float32, i64_1, f32_2, f32_2, i64_1, f32_2, f32_2, int32),
                      name=f"kv_latent_write_kernel[{wdt}]")
     for wdt, w2 in (("float32", f32_2), ("uint16", u16_2)):
         for TM in (1, 8):
@@ -688,7 +701,7 @@ def _register() -> None:
     for H in (64, 16):  # H >= 32 (Kimi K2, DeepSeek-V3: A = 4), H = 16 (Moonlight: A = 2)
         G, A, NW, BT = _attn_params(H, Rkv, dr) if not IS_SIM else (32, 4 if H >= 32 else 2, 8, 8)
         register_ptx(_attention_kernel(Rkv, dr, G, A, NW, BT),
-                     (f32_3, f32_3, f32_2, f32_2, int64, u8_2, float32, int64, f32_3, f32_1),
+                     (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1),
                      name=f"mla_attention_kernel[A={A},NW={NW}]")
     register_ptx(mla_combine_kernel, (f32_1, int64, f32_3))
 

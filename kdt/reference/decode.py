@@ -61,6 +61,10 @@ class TreeOps:
     def build(self, root: int, draft_tokens, draft_logp, budget: int, L: int) -> Tree:
         return build_tree(root, draft_tokens, draft_logp, budget)
 
+    def verify(self, target: Target, tree: Tree, L: int):
+        """The target's logits [n, V] for the tree's nodes at positions L + depth (one forward)."""
+        return target.forward(tree.tokens, tree.positions(L), L, tree.visibility)
+
     def choose(self, logits: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
         if temperature > 0:
             return target_choice_sample(logits, temperature, rng)
@@ -161,7 +165,7 @@ def generate(
             tree = ops.build(root, draft_tokens, draft_logp, step_budget, L)
         else:  # autoregressive: the root alone (nothing to build on any backend)
             tree = build_tree(root, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), 0)
-        logits = target.forward(tree.tokens, tree.positions(L), L, tree.visibility)
+        logits = ops.verify(target, tree, L)
         choice = ops.choose(logits, temperature, rng)
         accepted, bonus = ops.accept(tree, choice)
         target.compact(L, accepted)
