@@ -131,9 +131,11 @@ def generate(
     prompt_ids: str = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids."),
     model: Path = typer.Option(DEFAULT_MODEL, "--model", "-m", help="HDF5 model file."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens to generate."),
-    drafter: str = typer.Option("suffix", help="suffix | useless | none (plain autoregressive)."),
+    drafter: str = typer.Option("auto", help="auto (the file's learned drafter if it has one, else suffix) | "
+                                "learned | suffix | useless | none (plain autoregressive)."),
     budget: int = typer.Option(32, help="DDTree node budget per step."),
-    block_size: int = typer.Option(8, help="Drafter block size (tree depth + 1)."),
+    block_size: int = typer.Option(0, help="Drafter block size, tree depth + 1 (0: the learned drafter's, "
+                                   "else 8)."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (lossless)."),
     seed: int = typer.Option(0, help="Sampling seed."),
     backend: str = typer.Option("auto", help="auto | cpu | cuda"),
@@ -151,8 +153,10 @@ def generate(
         fail("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if max_new_tokens < 1:
         fail("--max-new-tokens must be >= 1")
-    if budget < 0 or block_size < 2:
+    if budget < 0 or block_size < 0 or block_size == 1:
         fail("--budget must be >= 0 and --block-size >= 2")
+    if drafter not in ("auto", "learned", "suffix", "useless", "none"):
+        fail(f"unknown drafter {drafter!r} (auto, learned, suffix, useless, none)")
     from kdt.kernels.ddtree import MAX_BUDGET
 
     if budget > MAX_BUDGET:
@@ -184,12 +188,26 @@ def generate(
         fail(f"budget {use_budget} larger than the cache allows after a {len(ids)}-token prompt")
     max_len = min(max_len or need, ctx)
     be = resolve_backend(backend)
-    d = None if drafter == "none" else make_drafter(drafter, cfg.vocab_size, seed=seed)
+    if drafter == "learned" and fx.drafter is None:
+        fail(f"{model} carries no learned drafter (train one with: kdt train-drafter {model})")
+    if drafter == "auto":
+        drafter = "learned" if fx.drafter is not None else "suffix"
+    if drafter == "learned":
+        block_size = block_size or fx.drafter.config.block_size
+        if block_size > fx.drafter.config.block_size:
+            fail(f"--block-size {block_size} exceeds the learned drafter's block ({fx.drafter.config.block_size})")
+    block_size = block_size or 8
     if not as_json:
         err.print(f"backend: {describe_backend(be, dtype)}; drafter: {drafter}; budget {use_budget}",
                   highlight=False)
     with err.status("loading model (first CUDA use compiles kernels)...") if be == "cuda" else _null():
         target = load_target(cfg, fx.weights, be, dtype, max_len, max_tokens=max(256, use_budget + 1))
+    if drafter == "learned":
+        from kdt.drafters import learned_drafter
+
+        d = learned_drafter(fx, max_len, target)
+    else:
+        d = None if drafter == "none" else make_drafter(drafter, cfg.vocab_size, seed=seed)
     stream = tok.stream()
 
     def on_tokens(new):
@@ -211,6 +229,69 @@ def generate(
         err.print(f"{len(res.tokens)} tokens in {res.decode_s:.3f} s ({res.tokens_per_s:.1f} tokens/s), "
                   f"steps={res.steps} avg_accept={res.avg_accept:.2f}, finish={res.finish_reason}",
                   highlight=False)
+
+
+@app.command("train-drafter")
+def train_drafter(
+    model: Path = typer.Argument(..., help="kdt HDF5 model file (its drafter is added or replaced)."),
+    out: Path = typer.Option(None, "--out", "-o", help="Write model + drafter here (default: rewrite MODEL)."),
+    minutes: float = typer.Option(10.0, help="Wall-clock budget of the training loop (0: --steps only)."),
+    steps: int = typer.Option(0, help="Optimizer steps (0: as many as --minutes allows)."),
+    block_size: int = typer.Option(16, help="Block size B: the root and B-1 drafted depths."),
+    layers: int = typer.Option(2, help="Drafter decoder layers."),
+    intermediate: int = typer.Option(512, help="Drafter MLP width."),
+    target_layers: str = typer.Option("auto", help="Target layers read as features, e.g. 1,2,3 (auto: up to 3 "
+                                      "spread from layer 1 to the last)."),
+    sequences: int = typer.Option(384, help="Training prompts, each continued greedily by the target."),
+    gen_len: int = typer.Option(192, help="Greedy tokens generated after each 64-token prompt."),
+    eval_sequences: int = typer.Option(32, help="Held-out prompts for the loss / top-1 evaluations."),
+    corpus: Path = typer.Option(None, help="Directory of training text (default: the Python standard library)."),
+    pattern: str = typer.Option("*.py", help="File pattern under --corpus."),
+    eval_prompts: int = typer.Option(8, help="Held-out prompts for the final acceptance table (0: skip)."),
+    seed: int = typer.Option(0, help="Seed of data sampling and initialisation."),
+):
+    """Train a DFlash-style block drafter for MODEL with torch (the `train` extra) against the target's own
+    greedy continuations, store it under /drafter, and print its acceptance on held-out text. On a
+    2-core CPU the default run takes ~15 minutes (data ~2, training --minutes, evaluation ~2)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        fail("kdt train-drafter needs torch and transformers: pip install -e '.[train]'")
+    from kdt.fixture import Drafter, copy_with_drafter
+    from kdt.tokenizer import load_tokenizer
+    from kdt.train_drafter import TrainArgs, acceptance_table, corpus_streams, train
+
+    fx = _load(model)
+    if fx.drafter is not None:
+        err.print(f"{model} already carries a drafter: it will be replaced", highlight=False)
+    try:
+        tl = None if target_layers == "auto" else tuple(int(x) for x in target_layers.split(","))
+    except ValueError:
+        fail(f"--target-layers must be 'auto' or comma-separated layer numbers (got {target_layers!r})")
+    if corpus is not None and not corpus.is_dir():
+        fail(f"--corpus {corpus} is not a directory")
+    if minutes <= 0 and steps <= 0:
+        fail("give --minutes > 0 or --steps > 0")
+    if min(sequences, eval_sequences, layers, intermediate) < 1 or block_size < 2 or gen_len < block_size + 8:
+        fail("--sequences, --eval-sequences, --layers, --intermediate must be >= 1, --block-size >= 2 and "
+             "--gen-len >= block size + 8")
+    args = TrainArgs(block_size=block_size, layers=layers, intermediate_size=intermediate, target_layers=tl,
+                     sequences=sequences, eval_sequences=eval_sequences, gen_len=gen_len, minutes=minutes,
+                     steps=steps, seed=seed)
+    train_stream, eval_stream = corpus_streams(load_tokenizer(fx.tokenizer), corpus and str(corpus), pattern)
+    need = args.prompt_len + args.gen_len
+    if min(len(train_stream), len(eval_stream)) <= need:
+        fail(f"the corpus is too small: need more than {need} tokens in both its training and held-out files")
+    log = lambda m: err.print(m, highlight=False)  # noqa: E731
+    dcfg, weights, summary = train(fx.config, fx.weights, train_stream, eval_stream, args, log=log)
+    fx.drafter = Drafter(dcfg, weights, summary)
+    if eval_prompts > 0:
+        log(f"acceptance on {eval_prompts} held-out prompts (CPU backend, greedy; every run equals AR):")
+        summary["acceptance"] = acceptance_table(fx, eval_stream, prompts=eval_prompts, seed=seed, log=log)
+    dest = out or model
+    copy_with_drafter(model, dest, fx.drafter)
+    log(f"wrote {dest} with its drafter ({sum(a.size for a in weights.values()) / 1e6:.2f}M parameters)")
 
 
 @app.command()

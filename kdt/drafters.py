@@ -9,6 +9,9 @@ the full vocabulary (each row's probabilities sum to at most 1).
 - :class:`UselessDrafter` proposes random tokens: nothing is accepted, the output must still be exact.
 - :class:`SuffixDrafter` is model-free: it matches the longest suffix of the context against the
   prompt and the output so far and proposes what followed (n-gram / suffix matching).
+- :class:`LearnedDrafter` runs the trained block drafter (:mod:`kdt.reference.drafter`). It reads
+  target features: it names the target layers it needs (``feature_layers``) and the decode loop hands
+  over their hidden states at every committed position (``observe``), gathered during the verify.
 """
 
 from __future__ import annotations
@@ -124,6 +127,59 @@ class SuffixDrafter:
                 row = _fill_row([], [], k, self.vocab, self.rng, 1e-6)
             toks[d], logp[d] = row
         return toks, logp
+
+
+class LearnedDrafter:
+    """The trained block drafter: every depth's distribution from one drafter forward (SPEC section 4).
+
+    ``model``: a :class:`kdt.reference.drafter.DraftModel` (NumPy) or a
+    :class:`kdt.engine.cuda_model.CudaDraftModel` (the same equations on the target's kernels).
+    ``observe(hidden, start)`` adds context rows for positions [start, start + T) from the target's
+    hidden states ``hidden[layer] [T, D]``; ``draft`` then drafts the block of the root (the last
+    context token) at position ``len(context) - 1``.
+    """
+
+    name = "learned"
+
+    def __init__(self, model):
+        self.model = model
+        self.feature_layers = tuple(model.dcfg.target_layers)
+        self.block_size = model.dcfg.block_size
+        self.committed = 0  # context rows added so far: positions [0, committed)
+
+    def observe(self, hidden: dict[int, np.ndarray], start: int) -> None:
+        feats = np.concatenate([np.asarray(hidden[i]) for i in self.feature_layers], axis=1)
+        self.model.add_context(feats, start)
+        self.committed = start + feats.shape[0]
+
+    def draft(self, context, depth: int, k: int):
+        L = len(context) - 1  # the root sits at position L; the target has committed [0, L)
+        if depth > self.block_size - 1:
+            raise ValueError(f"the learned drafter drafts {self.block_size - 1} depths (block size "
+                             f"{self.block_size}), {depth} asked")
+        if self.committed != L:
+            raise ValueError(f"the learned drafter has context rows for [0, {self.committed}), the root is at {L}")
+        logits = np.asarray(self.model.block_logits(int(context[-1]), L)[:depth], dtype=np.float64)
+        logp = logits - logits.max(axis=1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+        k = min(k, logp.shape[1])
+        top = np.argsort(-logp, axis=1, kind="stable")[:, :k]
+        return top.astype(np.int64), np.take_along_axis(logp, top, axis=1).astype(np.float32)
+
+
+def learned_drafter(fixture, max_len: int, target=None, dtype=np.float32) -> LearnedDrafter:
+    """The learned drafter a fixture carries (``fixture.drafter``), for a context of ``max_len``: on
+    the GPU beside a CUDA ``target`` (sharing its embedding and lm_head), else the NumPy reference."""
+    if getattr(target, "backend", None) == "cuda":
+        from kdt.engine.cuda_model import CudaDraftModel
+
+        return LearnedDrafter(CudaDraftModel(fixture.drafter.config, target, fixture.drafter.weights, max_len))
+    from kdt.reference.drafter import DraftModel
+
+    cfg, w = fixture.config, fixture.weights
+    head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return LearnedDrafter(DraftModel(fixture.drafter.config, cfg, fixture.drafter.weights,
+                                     w["model.embed_tokens.weight"], head, dtype, max_len=max_len))
 
 
 def make_drafter(name: str, vocab_size: int, sequence: Sequence[int] | None = None, seed: int = 0):

@@ -34,6 +34,7 @@ import kdt
 from kdt.bf16 import bf16_all_finite, bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.config import ModelConfig
 from kdt.errors import KdtError
+from kdt.reference.drafter import DrafterConfig, drafter_weight_names
 from kdt.reference.model import weight_names
 
 FORMAT_VERSION = 1
@@ -83,6 +84,15 @@ class Golden:
 
 
 @dataclass(eq=False)
+class Drafter:
+    """The learned block drafter stored beside the model (/drafter): config and float32 weights."""
+
+    config: DrafterConfig
+    weights: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)  # training summary
+
+
+@dataclass(eq=False)
 class Fixture:
     """A whole fixture in memory. ``weights`` are float32 (bf16-stored weights widened exactly);
     ``weight_dtype`` says how they are (or will be) stored: "float32" or "bfloat16"."""
@@ -93,6 +103,7 @@ class Fixture:
     tokenizer: dict[str, Any] | None = None  # {"kind": "byte"} or {"kind": "tokenizers", "json": text}
     golden: list[Golden] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    drafter: Drafter | None = None  # the learned block drafter, when the file carries one
 
     def golden_by_name(self, name: str) -> Golden:
         for g in self.golden:
@@ -328,6 +339,30 @@ class FixtureWriter:
                 grp.attrs[k] = v
         self._golden.add(g.name)
 
+    def add_drafter(self, d: Drafter) -> None:
+        """Store the learned drafter under /drafter (weights float32; every weight of its config)."""
+        f = self._file()
+        d.config.validate(self.config)
+        expected = drafter_weight_names(d.config, self.config)
+        missing = sorted(set(expected) - set(d.weights))
+        unknown = sorted(set(d.weights) - set(expected))
+        if missing or unknown:
+            raise _fail(f"cannot write {self.path}: drafter weights missing {_name_list(missing, '')}, "
+                        f"unknown {_name_list(unknown, '')}")
+        if "drafter" in f:
+            del f["drafter"]
+        g = f.create_group("drafter")
+        g.attrs["config"] = d.config.to_json()
+        g.attrs["meta"] = json.dumps(d.meta, sort_keys=True, default=_json_default)
+        w = g.create_group("weights", track_order=True)
+        for name, shape in expected.items():
+            a = np.asarray(d.weights[name], dtype=np.float32)
+            if tuple(a.shape) != shape:
+                raise _fail(f"drafter weight {name} has shape {_fmt_shape(a.shape)}, expected {_fmt_shape(shape)}")
+            if not np.all(np.isfinite(a)):
+                raise _fail(f"drafter weight {name} contains non-finite values")
+            w.create_dataset(name, data=np.ascontiguousarray(a))
+
 
 def _umask() -> int:
     mask = os.umask(0o022)
@@ -361,6 +396,24 @@ def write_fixture(path: str | os.PathLike, fixture: Fixture, weight_dtype: str |
             w.set_tokenizer(str(fixture.tokenizer.get("kind")), fixture.tokenizer.get("json"))
         for g in fixture.golden:
             w.add_golden(g)
+        if fixture.drafter is not None:
+            w.add_drafter(fixture.drafter)
+
+
+def copy_with_drafter(src: str | os.PathLike, dest: str | os.PathLike, drafter: Drafter | None) -> None:
+    """Copy the fixture ``src`` to ``dest`` (atomically; ``dest`` may be ``src``): every weight bit for
+    bit in its stored dtype, the tokenizer, golden traces and meta; and ``drafter`` (None: none)."""
+    fx = read_fixture(src, load_weights=False)
+    with open_weights(src) as r, FixtureWriter(dest, r.config, r.weight_dtype, meta=fx.meta) as w:
+        for name in r.names:
+            raw, dt = r.read_raw(name)
+            w.add_weight(name, raw, dtype=dt)
+        if fx.tokenizer is not None:
+            w.set_tokenizer(str(fx.tokenizer.get("kind")), fx.tokenizer.get("json"))
+        for g in fx.golden:
+            w.add_golden(g)
+        if drafter is not None:
+            w.add_drafter(drafter)
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -594,6 +647,37 @@ def _read_tokenizer(p: str, f: h5py.File) -> dict[str, Any] | None:
     return tok
 
 
+def _read_drafter(p: str, f: h5py.File, cfg: ModelConfig) -> Drafter | None:
+    with _guard(p, "/drafter"):
+        if "drafter" not in f:
+            return None
+        g = f["drafter"]
+        if not isinstance(g, h5py.Group) or "weights" not in g or "config" not in g.attrs:
+            raise _fail(f"{p}: /drafter needs a config attribute and a weights group")
+        try:
+            dcfg = DrafterConfig.from_json(_attr_str(g.attrs["config"]))
+            dcfg.validate(cfg)
+        except KdtError as e:
+            raise _fail(f"{p}: /drafter: {e}") from None
+        try:
+            meta = json.loads(_attr_str(g.attrs.get("meta", "{}")))
+        except ValueError:
+            raise _fail(f"{p}: /drafter meta is not valid JSON") from None
+        weights = {}
+        for name, shape in drafter_weight_names(dcfg, cfg).items():
+            if name not in g["weights"]:
+                raise _fail(f"{p}: missing dataset /drafter/weights/{name}")
+            ds = g["weights"][name]
+            if tuple(ds.shape) != shape or ds.dtype != np.float32:
+                raise _fail(f"{p}: /drafter/weights/{name} is {ds.dtype} {_fmt_shape(ds.shape)}, "
+                            f"expected float32 {_fmt_shape(shape)}")
+            a = ds[()]
+            if not np.all(np.isfinite(a)):
+                raise _fail(f"{p}: /drafter/weights/{name} contains non-finite values")
+            weights[name] = a
+    return Drafter(dcfg, weights, meta if isinstance(meta, dict) else {})
+
+
 def _attr_value(v):
     if isinstance(v, bytes):
         return v.decode("utf-8")
@@ -660,5 +744,6 @@ def read_fixture(path: str | os.PathLike, load_weights: bool = True,
                 raise _fail(f"{p}: attribute meta is not valid JSON") from None
             if not isinstance(meta, dict):
                 raise _fail(f"{p}: attribute meta is not a JSON object")
+        drafter = _read_drafter(p, f, w.config)
         return Fixture(config=w.config, weights=loaded, weight_dtype=w.weight_dtype, tokenizer=tokenizer,
-                       golden=golden, meta=meta)
+                       golden=golden, meta=meta, drafter=drafter)

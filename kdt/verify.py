@@ -3,16 +3,19 @@
 For every golden prompt: autoregressive decoding must reproduce the golden tokens exactly with logits
 within tolerance, and DDTree with the oracle, noisy-oracle and useless drafters must reproduce them
 too (the invariant of SPEC section 3); the oracle's acceptance per step must equal the block size.
+A fixture that carries a learned drafter is also checked with it (mode ``learned``, its own block
+size), on targets that hand it features (both backends).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from kdt.drafters import OracleDrafter, UselessDrafter
+from kdt.drafters import OracleDrafter, UselessDrafter, learned_drafter
 from kdt.fixture import Fixture
 from kdt.reference.decode import GenResult, generate
 
@@ -49,24 +52,39 @@ def _leading_match(a, b) -> int:
     return n
 
 
-def run_verify(fx: Fixture, make_target: Callable[[], object], budget: int = 16, block_size: int = 8,
-               atol: float = 1e-3, seed: int = 0, modes=MODES, on_check: Callable[[Check], None] | None = None
-               ) -> list[Check]:
-    """``make_target()`` gives a fresh target (empty cache) for each run."""
-    checks = []
+def reads_features(target) -> bool:
+    """The target's forward can return hidden states (what a learned drafter reads)."""
+    return "hidden_layers" in inspect.signature(target.forward).parameters
+
+
+def _drafter(mode: str, fx: Fixture, sequence, seed: int, target):
     V = fx.config.vocab_size
+    if mode == "ar":
+        return None
+    if mode in ("oracle", "noisy"):
+        return OracleDrafter(sequence, V, noise=0.3 if mode == "noisy" else 0.0, seed=seed)
+    if mode == "useless":
+        return UselessDrafter(V, seed=seed)
+    return learned_drafter(fx, target.max_len, target)
+
+
+def run_verify(fx: Fixture, make_target: Callable[[], object], budget: int = 16, block_size: int = 8,
+               atol: float = 1e-3, seed: int = 0, modes=None, on_check: Callable[[Check], None] | None = None
+               ) -> list[Check]:
+    """``make_target()`` gives a fresh target (empty cache) for each run. ``modes`` default: MODES, and
+    ``learned`` when the fixture carries a drafter and the target reads features."""
+    checks = []
+    if modes is None:
+        modes = MODES + (("learned",) if fx.drafter is not None and reads_features(make_target()) else ())
     for g in fx.golden:
         golden = [int(t) for t in g.output]
         sequence = np.concatenate([g.prompt, g.output])
         for mode in modes:
-            drafter = {
-                "ar": None,
-                "oracle": OracleDrafter(sequence, V, seed=seed),
-                "noisy": OracleDrafter(sequence, V, noise=0.3, seed=seed),
-                "useless": UselessDrafter(V, seed=seed),
-            }[mode]
-            res: GenResult = generate(make_target(), g.prompt, len(golden), drafter=drafter,
-                                      budget=0 if drafter is None else budget, block_size=block_size,
+            target = make_target()
+            block = fx.drafter.config.block_size if mode == "learned" else block_size
+            drafter = _drafter(mode, fx, sequence, seed, target)
+            res: GenResult = generate(target, g.prompt, len(golden), drafter=drafter,
+                                      budget=0 if drafter is None else budget, block_size=block,
                                       keep_logits=(mode == "ar"))
             n_match = _leading_match(res.tokens, golden)
             tokens_ok = n_match == len(golden) == len(res.tokens)
@@ -85,7 +103,7 @@ def run_verify(fx: Fixture, make_target: Callable[[], object], budget: int = 16,
             if not tokens_ok:
                 note = f"token {n_match} differs from golden"
             c = Check(g.name, mode, ok, tokens_ok, n_match, len(golden), diff, res.steps, len(res.tokens),
-                      res.avg_accept, block_size, res.tokens_per_s, note)
+                      res.avg_accept, block, res.tokens_per_s, note)
             checks.append(c)
             if on_check:
                 on_check(c)

@@ -43,7 +43,6 @@ import math
 import os
 import platform
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -53,8 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-HOLDOUT_EVERY = 20
-SEP = 0  # NUL: file separator / end-of-file token
+from kdt.corpus import HOLDOUT_EVERY, SEP, build_stream, stdlib_files  # noqa: E402
+
 LN2 = math.log(2.0)
 
 # The model (Hugging Face DeepseekV3Config field names).
@@ -71,28 +70,6 @@ MODEL_CONFIG = dict(
 
 
 # ---- data ----------------------------------------------------------------------------------------
-def stdlib_files() -> tuple[Path, list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if p.is_file() and not ({"site-packages", "dist-packages"} & set(p.relative_to(root).parts))]
-    files.sort(key=lambda p: p.relative_to(root).as_posix())
-    return root, files
-
-
-def build_stream(files: list[Path]) -> tuple[np.ndarray, list[int]]:
-    """Concatenation ``SEP f0 SEP f1 SEP ...`` (uint8) and the start offset of each file's bytes."""
-    parts, starts, pos = [], [], 0
-    for f in files:
-        b = f.read_bytes().replace(bytes([SEP]), b"")  # keep the separator unique
-        parts.append(bytes([SEP]))
-        pos += 1
-        starts.append(pos)
-        parts.append(b)
-        pos += len(b)
-    parts.append(bytes([SEP]))
-    return np.frombuffer(b"".join(parts), dtype=np.uint8).copy(), starts
-
-
 def eval_windows(stream: np.ndarray, n: int, ctx: int) -> np.ndarray:
     """``n`` evenly spaced windows of ``ctx + 1`` bytes of ``stream`` (int64 [n, ctx + 1])."""
     starts = np.linspace(0, len(stream) - ctx - 1, n).astype(np.int64)

@@ -20,6 +20,7 @@ from kdt.weights import random_weights
 
 pytestmark = pytest.mark.kernels
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "model_tiny.h5"
+CODE = FIXTURE.parent / "model_code.h5"
 MICRO = preset("micro")
 
 
@@ -78,6 +79,79 @@ def test_cuda_ddtree_equals_ar_for_any_drafter(rng):
         res = generate(cuda_model(MICRO, w), prompt, n, drafter=d, budget=4, block_size=4)
         assert res.tokens[:k] == ar.tokens[:k], d.name
     assert len(res.tokens) == n
+
+
+def test_cuda_target_feeds_the_learned_drafter(rng):
+    """The CUDA forward records the hidden states a learned drafter reads (prefill, verify of trees,
+    compaction in between): DDTree with a random learned drafter equals AR, and the drafter's features
+    equal the reference target's."""
+    from kdt.drafters import LearnedDrafter
+    from kdt.reference.drafter import DrafterConfig, DraftModel, random_drafter_weights
+
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    dcfg = DrafterConfig(target_layers=(0, MICRO.num_hidden_layers - 1), block_size=4, num_hidden_layers=1,
+                         intermediate_size=16)
+    dw = random_drafter_weights(dcfg, MICRO, 5)
+    head = w["model.embed_tokens.weight" if MICRO.tie_word_embeddings else "lm_head.weight"]
+    prompt = rng.integers(0, MICRO.vocab_size, 3)
+    cm = cuda_model(MICRO, w)
+    logits, hidden = cm.forward(prompt, np.arange(3), 0, causal_block(3), hidden_layers=dcfg.target_layers)
+    _, ref_hidden = RefModel(MICRO, w, max_len=40).forward(prompt, np.arange(3), 0, causal_block(3),
+                                                           hidden_layers=dcfg.target_layers)
+    for i in dcfg.target_layers:
+        assert rel_err(np.asarray(hidden[i]), ref_hidden[i]) < 1e-5
+    n = 5
+    ar = ar_generate(cuda_model(MICRO, w), prompt, n, keep_logits=True)
+    k = safe_len(ar.logits)
+    d = LearnedDrafter(DraftModel(dcfg, MICRO, dw, w["model.embed_tokens.weight"], head, np.float32, max_len=40))
+    res = generate(cuda_model(MICRO, w), prompt, n, drafter=d, budget=3, block_size=4)
+    assert res.tokens[:k] == ar.tokens[:k]
+    assert d.committed == len(prompt) + sum(res.accept_lengths)
+
+
+def test_cuda_draft_model_matches_reference(rng):
+    """CudaDraftModel (the drafter on the target's kernels) == the NumPy DraftModel: context rows added
+    in two chunks (the second longer than its buffers: chunked again), then a block's logits."""
+    from kdt.engine.cuda_model import CudaDraftModel
+    from kdt.reference.drafter import DrafterConfig, DraftModel, random_drafter_weights
+
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    dcfg = DrafterConfig(target_layers=(0,), block_size=3, num_hidden_layers=1, intermediate_size=16)
+    dw = random_drafter_weights(dcfg, MICRO, int(rng.integers(1 << 30)))
+    head = w["model.embed_tokens.weight" if MICRO.tie_word_embeddings else "lm_head.weight"]
+    ref = DraftModel(dcfg, MICRO, dw, w["model.embed_tokens.weight"], head, np.float64, max_len=40)
+    gpu = CudaDraftModel(dcfg, cuda_model(MICRO, w), dw, max_len=40, max_tokens=4)
+    feats = rng.standard_normal((7, MICRO.hidden_size)).astype(np.float32)
+    for m in (ref, gpu):
+        m.add_context(feats[:2], 0)
+        m.add_context(feats[2:], 2)  # 5 rows > max_tokens 4
+    root = int(rng.integers(MICRO.vocab_size))
+    want = ref.block_logits(root, 7)
+    got = gpu.block_logits(root, 7)
+    assert got.shape == want.shape == (2, MICRO.vocab_size)
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+
+
+@pytest.mark.gpu
+def test_learned_drafter_on_cuda_model_code(rng):
+    """The committed demo model and its learned drafter on the GPU: DDTree equals AR on held-out text."""
+    from kdt.drafters import learned_drafter
+    from kdt.engine import load_target
+    from kdt.fixture import read_fixture
+
+    fx = read_fixture(str(CODE))
+    if fx.drafter is None:
+        pytest.skip("fixtures/model_code.h5 carries no drafter")
+    target = load_target(fx.config, fx.weights, "cuda", "bf16", 512)
+    text = b"import os\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(\n"
+    prompt = np.frombuffer(text, np.uint8).astype(np.int64)
+    ar = ar_generate(target, prompt, 96, keep_logits=True)
+    k = safe_len(ar.logits)
+    for budget in (15, 64):
+        res = generate(target, prompt, 96, drafter=learned_drafter(fx, 512, target), budget=budget,
+                       block_size=fx.drafter.config.block_size)
+        assert res.tokens[:k] == ar.tokens[:k], budget
+        assert res.avg_accept > 1.5, (budget, res.avg_accept)  # it learned something
 
 
 @pytest.mark.gpu

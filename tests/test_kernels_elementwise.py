@@ -168,6 +168,16 @@ def test_add_gpu(rng, M, D):
     _check_add(rng, M, D)
 
 
+@pytest.mark.kernels
+def test_copy_sim(rng):
+    """copy of a row block into a strided destination view (the engine's feature buffer [layers, M, D])."""
+    x = rng.standard_normal((3, 70)).astype(np.float32)
+    buf = cuda.to_device(poisoned((2, 5, 70)))
+    ew.copy(cuda.to_device(x), buf[1, :3])
+    got = buf.copy_to_host()
+    assert np.array_equal(got[1, :3], x) and np.isnan(got[0]).all() and np.isnan(got[1, 3:]).all()
+
+
 # ---- argmax_rows ---------------------------------------------------------------------------------------
 def _plant_ties(rng, row, positions):
     """Make row's maximum occur at every index in positions."""

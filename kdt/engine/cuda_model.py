@@ -3,8 +3,11 @@
 
 ``CudaModel`` is a drop-in target for :func:`kdt.reference.decode.generate`: ``forward(tokens,
 positions, L, block_mask)`` runs every layer on the device and returns :class:`DeviceLogits` (copied to
-the host only when someone reads them); ``compact(L, accepted)`` moves the accepted latents of all
-layers in one kernel; ``tree_ops`` builds and accepts trees with the kernels of kdt.kernels.ddtree.
+the host only when someone reads them), replayed from a CUDA graph per token count; with
+``hidden_layers`` it also hands back those layers' hidden states (a learned drafter's features);
+``compact(L, accepted)`` moves the accepted latents of all layers in one kernel; ``tree_ops`` builds,
+stages and accepts trees with the kernels of kdt.kernels.ddtree, the tree never leaving the device.
+``CudaDraftModel`` runs the learned block drafter on the same layer code (:class:`DecoderStack`).
 
 Device state: weights (float32 or bf16 bits for every matrix; norms, router and bias in float32), the
 latent caches ``c_kv[n_layers, max_len, Rkv]`` and ``k_pe[n_layers, max_len, dr]``, RoPE tables
@@ -213,7 +216,8 @@ class ForwardGraphs:
 
 
 class DeviceLogits:
-    """Logits [M, V] left on the device; ``np.asarray`` (or indexing) copies them to the host once."""
+    """Rows [M, N] (logits, hidden states) left on the device; ``np.asarray`` (or indexing) copies
+    them to the host once."""
 
     def __init__(self, device_array):
         self.device = device_array
@@ -234,84 +238,46 @@ class DeviceLogits:
         return self.shape[0]
 
 
-class CudaModel:
-    """The target model on the GPU (see module docstring). dtype: "float32" | "bf16" weights."""
+class DecoderStack:
+    """Decoder layers on the GPU with their latent caches, RoPE tables and activation buffers: what the
+    target (:class:`CudaModel`) and the learned drafter (:class:`CudaDraftModel`) share.
+    ``_layers(M, stream)`` runs every layer over the residual rows ``buf.x[:M]`` with the staged
+    positions, mask and L."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray] | None, dtype: str = "float32",
-                 max_len: int = 4096, max_tokens: int = 256, seed: int = 0, graphs: bool | None = None):
-        """``weights`` None draws seeded random weights on the device (:class:`RandomWeights`).
-        ``graphs``: replay each forward from a CUDA graph per token count (default: on a real GPU)."""
+    def __init__(self, cfg: ModelConfig, src, max_len: int, max_tokens: int):
         if cfg.kv_lora_rank % 32 and not IS_SIM:
             raise KdtError(f"the CUDA attention kernels need kv_lora_rank % 32 == 0 (this model has "
                            f"{cfg.kv_lora_rank}); use --backend cpu")
-        self.cfg, self.max_len = cfg, int(max_len)
-        self.dtype = dtype
-        wdt = np.uint16 if dtype == "bf16" else np.float32
-        src = HostWeights(weights, wdt) if weights is not None else RandomWeights(cfg, wdt, seed)
-        self.embed_tokens = src.matrix("model.embed_tokens.weight")
+        self.cfg, self.max_len, self.M_max = cfg, int(max_len), int(max_tokens)
         self.layers = [load_layer(cfg, src, i) for i in range(cfg.num_hidden_layers)]
-        self.norm = src.vector("model.norm.weight")
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else src.matrix("lm_head.weight")
         n = cfg.num_hidden_layers
         self.c_kv = cuda.to_device(np.zeros((n, self.max_len, cfg.kv_lora_rank), np.float32))
         self.k_pe = cuda.to_device(np.zeros((n, self.max_len, cfg.qk_rope_head_dim), np.float32))
         cos, sin = mla.rope_tables(cfg, self.max_len)
         self.cos_tab, self.sin_tab = cuda.to_device(cos), cuda.to_device(sin)
-        self.M_max = int(max_tokens)
         self.buf = Buffers(cfg, self.M_max, self.max_len)
-        self.tree_ops = CudaTreeOps(self)
-        use = (not IS_SIM) if graphs is None else bool(graphs)
-        self.graphs = ForwardGraphs(self._forward_device) if use else None
+        self.feature_layers: tuple[int, ...] = ()
+        self.feat = None  # [len(feature_layers), M_max, D]: hidden states recorded by the forward
         self.record_experts: list[int] | None = None  # bench: distinct experts per MoE layer, when a list
 
-    # ---- the single forward -----------------------------------------------------------------------
-    def forward(self, tokens, positions, L: int, mask) -> DeviceLogits:
-        """tokens[M], positions[M], block mask [M, M] (the prefix [0, L) visible) -> logits [M, V]."""
-        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-        positions = np.ascontiguousarray(positions, dtype=np.int64)
-        mask = np.asarray(mask, dtype=bool)
-        M = tokens.shape[0]
-        if mask.shape != (M, M):
-            raise ValueError(f"CudaModel.forward takes the [M, M] block mask, got {mask.shape} for M={M}")
-        if L + M > self.max_len:
-            raise ValueError(f"forward of {M} tokens at L={L} exceeds the cache ({self.max_len} slots)")
-        if M > self.M_max:  # causal prefill in chunks of M_max (a chunk never sees a later chunk)
-            C = self.M_max
-            if not np.array_equal(mask, np.tril(np.ones((M, M), bool))):
-                raise ValueError(f"a forward of M={M} > {C} tokens must be causal (it runs in chunks of {C})")
-            rows = []
-            for s in range(0, M, C):
-                e = min(M, s + C)
-                rows.append(np.asarray(self.forward(tokens[s:e], positions[s:e], L + s, mask[s:e, s:e])))
-            return np.concatenate(rows)
-        b = self.buf
+    def _stage(self, positions, L: int, mask, tokens=None) -> None:
+        """Upload one forward's inputs: [tokens | positions | L] in one copy; the mask when it changed."""
+        b, M = self.buf, len(positions)
         h = b.stage_host
-        h[:M], h[b.M_max: b.M_max + M], h[-1] = tokens, positions, L
+        if tokens is not None:
+            h[:M] = tokens
+        h[b.M_max: b.M_max + M], h[-1] = positions, L
         b.stage.copy_to_device(h)
-        vis = mask.astype(np.uint8).reshape(-1)
+        vis = np.asarray(mask, dtype=bool).astype(np.uint8).reshape(-1)
         if b.vis_host != vis.tobytes():  # AR steps and prefill chunks repeat their mask
             b.vis[: M * M].copy_to_device(vis)
             b.vis_host = vis.tobytes()
-        self._run(M)
-        return DeviceLogits(b.logits[:M])
 
-    def _run(self, M: int) -> None:
-        """The forward of the M tokens staged in the buffers: replayed from a CUDA graph when one is
-        captured for M, else launched directly (the bench's expert count needs the direct path)."""
-        if self.graphs is None or self.record_experts is not None:
-            self._forward_device(M)
-        else:
-            self.graphs.run(M)
-
-    def _forward_device(self, M: int, stream=0) -> None:
-        """Launch every kernel of the forward of M tokens on ``stream`` (0, or a graph builder).
-        Everything that changes from step to step (tokens, positions, mask, L) is read from the
-        buffers, so the launches depend on M alone."""
+    def _layers(self, M: int, stream=0) -> None:
         cfg, b = self.cfg, self.buf
         eps, s = cfg.rms_norm_eps, stream
-        tokens, positions = b.tokens[:M], b.positions[:M]
+        positions = b.positions[:M]
         x, a = b.x[:M], b.a[:M]
-        ew.embedding(tokens, self.embed_tokens, x, stream=s)
         vis = b.vis[: M * M].reshape(M, M)
         for i, lw in enumerate(self.layers):
             ew.rmsnorm(x, lw.input_layernorm, eps, a, stream=s)
@@ -338,8 +304,95 @@ class CudaModel:
                     self.record_experts.append(int(b.moe.n_active.copy_to_host()[0]))
             else:
                 moe.dense_mlp(a, lw.mlp_gate_up, lw.mlp_down, b.h, x, M=M, accumulate=True, stream=s)
-        ew.rmsnorm(x, self.norm, eps, a, stream=s)
-        linear(a, self.lm_head, b.logits[:M], stream=s)
+            if i in self.feature_layers:
+                ew.copy(x, self.feat[self.feature_layers.index(i), :M], stream=s)
+
+
+class CudaModel(DecoderStack):
+    """The target model on the GPU (see module docstring). dtype: "float32" | "bf16" weights."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray] | None, dtype: str = "float32",
+                 max_len: int = 4096, max_tokens: int = 256, seed: int = 0, graphs: bool | None = None):
+        """``weights`` None draws seeded random weights on the device (:class:`RandomWeights`).
+        ``graphs``: replay each forward from a CUDA graph per token count (default: on a real GPU)."""
+        self.dtype = dtype
+        wdt = np.uint16 if dtype == "bf16" else np.float32
+        src = HostWeights(weights, wdt) if weights is not None else RandomWeights(cfg, wdt, seed)
+        self.embed_tokens = src.matrix("model.embed_tokens.weight")
+        super().__init__(cfg, src, max_len, max_tokens)
+        self.norm = src.vector("model.norm.weight")
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else src.matrix("lm_head.weight")
+        self.tree_ops = CudaTreeOps(self)
+        use = (not IS_SIM) if graphs is None else bool(graphs)
+        self.graphs = ForwardGraphs(self._forward_device) if use else None
+
+    # ---- the single forward -----------------------------------------------------------------------
+    def set_feature_layers(self, layers: tuple[int, ...]) -> None:
+        """Record the output hidden states of ``layers`` in every forward (what a learned drafter reads):
+        ``feat[j, :M]`` is layer ``layers[j]``'s. Changing the set recaptures the CUDA graphs."""
+        layers = tuple(int(i) for i in layers)
+        if layers == self.feature_layers:
+            return
+        self.feature_layers = layers
+        self.feat = cuda.device_array((len(layers), self.M_max, self.cfg.hidden_size), np.float32) if layers else None
+        if self.graphs is not None:
+            self.graphs = ForwardGraphs(self._forward_device)
+
+    def hidden_rows(self, M: int) -> dict[int, DeviceLogits]:
+        """{layer: its hidden states [M, D] of the last forward} (copied to the host when read)."""
+        return {i: DeviceLogits(self.feat[j, :M]) for j, i in enumerate(self.feature_layers)}
+
+    def forward(self, tokens, positions, L: int, mask, hidden_layers=()):
+        """tokens[M], positions[M], block mask [M, M] (the prefix [0, L) visible) -> logits [M, V];
+        with ``hidden_layers``, (logits, {layer: hidden states [M, D]})."""
+        if hidden_layers:
+            self.set_feature_layers(tuple(hidden_layers))
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        mask = np.asarray(mask, dtype=bool)
+        M = tokens.shape[0]
+        if mask.shape != (M, M):
+            raise ValueError(f"CudaModel.forward takes the [M, M] block mask, got {mask.shape} for M={M}")
+        if L + M > self.max_len:
+            raise ValueError(f"forward of {M} tokens at L={L} exceeds the cache ({self.max_len} slots)")
+        if M > self.M_max:  # causal prefill in chunks of M_max (a chunk never sees a later chunk)
+            C = self.M_max
+            if not np.array_equal(mask, np.tril(np.ones((M, M), bool))):
+                raise ValueError(f"a forward of M={M} > {C} tokens must be causal (it runs in chunks of {C})")
+            rows, hidden = [], {i: [] for i in hidden_layers}
+            for s in range(0, M, C):
+                e = min(M, s + C)
+                out = self.forward(tokens[s:e], positions[s:e], L + s, mask[s:e, s:e], hidden_layers)
+                if hidden_layers:
+                    out, h = out
+                    for i in hidden_layers:
+                        hidden[i].append(np.asarray(h[i]))
+                rows.append(np.asarray(out))
+            logits = np.concatenate(rows)
+            return (logits, {i: np.concatenate(v) for i, v in hidden.items()}) if hidden_layers else logits
+        b = self.buf
+        self._stage(positions, L, mask, tokens)
+        self._run(M)
+        logits = DeviceLogits(b.logits[:M])
+        return (logits, self.hidden_rows(M)) if hidden_layers else logits
+
+    def _run(self, M: int) -> None:
+        """The forward of the M tokens staged in the buffers: replayed from a CUDA graph when one is
+        captured for M, else launched directly (the bench's expert count needs the direct path)."""
+        if self.graphs is None or self.record_experts is not None:
+            self._forward_device(M)
+        else:
+            self.graphs.run(M)
+
+    def _forward_device(self, M: int, stream=0) -> None:
+        """Launch every kernel of the forward of M tokens on ``stream`` (0, or a graph builder).
+        Everything that changes from step to step (tokens, positions, mask, L) is read from the
+        buffers, so the launches depend on M alone."""
+        b = self.buf
+        ew.embedding(b.tokens[:M], self.embed_tokens, b.x[:M], stream=stream)
+        self._layers(M, stream)
+        ew.rmsnorm(b.x[:M], self.norm, self.cfg.rms_norm_eps, b.a[:M], stream=stream)
+        linear(b.a[:M], self.lm_head, b.logits[:M], stream=stream)
 
     def compact(self, L: int, accepted) -> None:
         """Move cache slots L+accepted[i] -> L+i in every layer (one race-free kernel)."""
@@ -348,6 +401,48 @@ class CudaModel:
             return  # the accepted path already sits in slots [L, L + n): nothing moves (AR, chains)
         self.buf.acc[: acc.shape[0]].copy_to_device(acc)
         kd.compact_gpu(self.c_kv, self.k_pe, int(L), self.buf.acc, int(acc.shape[0]))
+
+
+class CudaDraftModel(DecoderStack):
+    """The learned block drafter (:mod:`kdt.reference.drafter`) on the GPU, on the target's kernels:
+    its decoder stack is a :class:`DecoderStack` of dense layers, and it shares the target's
+    ``embed_tokens`` and ``lm_head`` device arrays. Same interface as the reference ``DraftModel``:
+    ``add_context(features, start)``, ``block_logits(root, L) -> [B-1, V]`` (host copy)."""
+
+    def __init__(self, dcfg, target: CudaModel, weights: dict[str, np.ndarray], max_len: int | None = None,
+                 max_tokens: int = 64):
+        dcfg.validate(target.cfg)
+        self.dcfg, B, D = dcfg, dcfg.block_size, target.cfg.hidden_size
+        src = HostWeights(weights, np.float32)  # stored float32
+        super().__init__(dcfg.stack_config(target.cfg), src, int(max_len or target.max_len) + B, max(B, max_tokens))
+        self.fc, self.hidden_norm = src.matrix("fc.weight"), src.vector("hidden_norm.weight")
+        self.norm = src.vector("model.norm.weight")
+        mask = np.asarray(weights["mask_embedding"], np.float32)
+        self.mask_rows = cuda.to_device(np.ascontiguousarray(np.broadcast_to(mask, (B - 1, D))))
+        self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
+        self.feat_in = cuda.device_array((self.M_max, len(dcfg.target_layers) * D), np.float32)
+
+    def add_context(self, features: np.ndarray, start: int) -> None:
+        """Context rows for positions [start, start + T) from target features [T, n_feat*D]."""
+        b, eps = self.buf, self.cfg.rms_norm_eps
+        feats = np.ascontiguousarray(features, np.float32)
+        for s0 in range(0, feats.shape[0], self.M_max):
+            m = min(self.M_max, feats.shape[0] - s0)
+            self.feat_in[:m].copy_to_device(feats[s0:s0 + m])
+            self._stage(np.arange(start + s0, start + s0 + m), start + s0, np.tril(np.ones((m, m), bool)))
+            linear(self.feat_in[:m], self.fc, b.x[:m])
+            ew.rmsnorm(b.x[:m], self.hidden_norm, eps, b.x[:m])
+            self._layers(m)
+
+    def block_logits(self, root: int, L: int) -> np.ndarray:
+        B, b = self.dcfg.block_size, self.buf
+        self._stage(np.arange(L, L + B), L, np.ones((B, B), bool), tokens=np.full(B, int(root)))
+        ew.embedding(b.tokens[:1], self.embed_tokens, b.x[:1])
+        ew.copy(self.mask_rows, b.x[1:B])
+        self._layers(B)
+        ew.rmsnorm(b.x[1:B], self.norm, self.cfg.rms_norm_eps, b.a[1:B])
+        linear(b.a[1:B], self.lm_head, b.logits[: B - 1])
+        return b.logits[: B - 1].copy_to_host()
 
 
 @dataclass
@@ -398,9 +493,11 @@ class CudaTreeOps(TreeOps):
         kd.build_tree_gpu(self.root, d_tok, d_logp, int(budget), b.L, out=self.tree)
         return GpuTree(self.tree, int(self.tree.n_nodes.copy_to_host()[0]))
 
-    def verify(self, target, tree, L):
+    def verify(self, target, tree, L, hidden_layers=()):
         if not isinstance(tree, GpuTree):
-            return super().verify(target, tree, L)
+            return super().verify(target, tree, L, hidden_layers)
+        if hidden_layers:
+            self.model.set_feature_layers(tuple(hidden_layers))
         m, t, n = self.model, self.tree, tree.n
         b = m.buf
         threads = 256
@@ -408,7 +505,8 @@ class CudaTreeOps(TreeOps):
                                                              np.int32(0), b.tokens, b.positions, b.vis)
         b.vis_host = None  # b.vis now holds the tree's mask
         m._run(n)
-        return DeviceLogits(b.logits[:n])
+        logits = DeviceLogits(b.logits[:n])
+        return (logits, m.hidden_rows(n)) if hidden_layers else logits
 
     def choose(self, logits, temperature, rng):
         if temperature > 0 or not isinstance(logits, DeviceLogits):

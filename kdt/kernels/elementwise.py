@@ -284,6 +284,26 @@ def add(x, y, out, stream=0) -> None:
     add_kernel[(cdiv(N, EW_THREADS), M), EW_THREADS, stream](x, y, out)
 
 
+@cuda.jit
+def copy_kernel(x, out):
+    """x[M, N], out[M, N] f32: out = x. grid = (cdiv(N, EW), M)."""
+    m = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < out.shape[1]:
+        out[m, i] = x[m, i]
+
+
+def copy(x, out, stream=0) -> None:
+    """out[M, N] = x[M, N] (float32) as a kernel: unlike a memcpy it can be captured in a CUDA graph
+    through Numba's launch (the engine records hidden states for the learned drafter this way)."""
+    if tuple(x.shape) != tuple(out.shape) or len(out.shape) != 2:
+        raise ValueError(f"copy: x {tuple(x.shape)}, out {tuple(out.shape)}")
+    M, N = out.shape
+    if M == 0 or N == 0:
+        return
+    copy_kernel[(cdiv(N, EW_THREADS), M), EW_THREADS, stream](x, out)
+
+
 # ---- argmax -----------------------------------------------------------------------------------------
 @cuda.jit
 def argmax_rows_kernel(logits, out):
@@ -363,6 +383,7 @@ def _register() -> None:
                  name="rmsnorm_A_layout")
     register_ptx(silu_mul_kernel, (f2, f2, f2))
     register_ptx(add_kernel, (f2, f2, f2))
+    register_ptx(copy_kernel, (f2, f2))
     register_ptx(argmax_rows_kernel, (f2, int64[::1]))
 
 

@@ -61,8 +61,11 @@ class TreeOps:
     def build(self, root: int, draft_tokens, draft_logp, budget: int, L: int) -> Tree:
         return build_tree(root, draft_tokens, draft_logp, budget)
 
-    def verify(self, target: Target, tree: Tree, L: int):
-        """The target's logits [n, V] for the tree's nodes at positions L + depth (one forward)."""
+    def verify(self, target: Target, tree: Tree, L: int, hidden_layers=()):
+        """The target's logits [n, V] for the tree's nodes at positions L + depth (one forward); with
+        ``hidden_layers``, (logits, {layer: hidden states [n, D]}) for a feature-reading drafter."""
+        if hidden_layers:
+            return target.forward(tree.tokens, tree.positions(L), L, tree.visibility, hidden_layers=hidden_layers)
         return target.forward(tree.tokens, tree.positions(L), L, tree.visibility)
 
     def choose(self, logits: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
@@ -93,11 +96,17 @@ class GenResult:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 else float("nan")
 
 
-def prefill(target: Target, prompt: Sequence[int]) -> tuple[int, np.ndarray]:
-    """Causal forward over the prompt into slots [0, P). Returns (L = P, logits of the last position)."""
+def prefill(target: Target, prompt: Sequence[int], drafter=None) -> tuple[int, np.ndarray]:
+    """Causal forward over the prompt into slots [0, P). Returns (L = P, logits of the last position).
+    A drafter with ``feature_layers`` observes the prompt's hidden states of those layers."""
     prompt = np.asarray(prompt, dtype=np.int64)
     P = prompt.shape[0]
-    logits = target.forward(prompt, np.arange(P, dtype=np.int64), 0, causal_block(P))
+    args = (prompt, np.arange(P, dtype=np.int64), 0, causal_block(P))
+    if getattr(drafter, "feature_layers", None):
+        logits, hidden = target.forward(*args, hidden_layers=drafter.feature_layers)
+        drafter.observe(hidden, 0)
+    else:
+        logits = target.forward(*args)
     return P, np.asarray(logits[-1])
 
 
@@ -146,8 +155,9 @@ def generate(
             on_tokens(out)
         return res.finish_reason == "stop" or len(res.tokens) >= max_new
 
+    features = tuple(getattr(drafter, "feature_layers", None) or ()) if budget > 0 else ()
     t0 = time.perf_counter()
-    L, last = prefill(target, prompt)
+    L, last = prefill(target, prompt, drafter if features else None)
     root = int(ops.choose(last[None, :], temperature, rng)[0])
     res.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -165,10 +175,15 @@ def generate(
             tree = ops.build(root, draft_tokens, draft_logp, step_budget, L)
         else:  # autoregressive: the root alone (nothing to build on any backend)
             tree = build_tree(root, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32), 0)
-        logits = ops.verify(target, tree, L)
+        if features:  # the drafter's context grows by the accepted nodes' features (no extra forward)
+            logits, hidden = ops.verify(target, tree, L, hidden_layers=features)
+        else:
+            logits = ops.verify(target, tree, L)
         choice = ops.choose(logits, temperature, rng)
         accepted, bonus = ops.accept(tree, choice)
         target.compact(L, accepted)
+        if features:
+            drafter.observe({i: np.asarray(h)[accepted] for i, h in hidden.items()}, L)
         L += len(accepted)
         res.steps += 1
         res.accept_lengths.append(len(accepted))

@@ -1,0 +1,176 @@
+"""The learned block drafter (kdt.reference.drafter, kdt.drafters.LearnedDrafter, kdt.train_drafter).
+
+- The torch training model and the NumPy reference compute the same block logits (float64, < 1e-10),
+  the reference adding its context rows incrementally in chunks, torch in one batched row set.
+- The greedy-exact invariant with the learned drafter (random weights) on the CPU backend.
+- /drafter storage round-trips through the fixture format; bad drafter data is refused in one line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kdt.config import preset
+from kdt.drafters import LearnedDrafter
+from kdt.fixture import Drafter, read_fixture, write_fixture
+from kdt.reference.decode import ar_generate, generate
+from kdt.reference.drafter import DrafterConfig, DraftModel, drafter_weight_names, random_drafter_weights
+from kdt.reference.model import RefModel
+from kdt.testing import rel_err
+from kdt.weights import random_weights
+
+CFG = preset("micro")
+DCFG = DrafterConfig(target_layers=(0, CFG.num_hidden_layers - 1), block_size=5, num_hidden_layers=2,
+                     intermediate_size=24)
+
+
+def lm_head(w):
+    return w["model.embed_tokens.weight"] if CFG.tie_word_embeddings else w["lm_head.weight"]
+
+
+def test_torch_drafter_equals_reference(rng):
+    torch = pytest.importorskip("torch")
+    from kdt.train_drafter import TorchDrafter, batch_loss, row_layout
+
+    w = random_weights(CFG, int(rng.integers(1 << 30)))
+    dw = random_drafter_weights(DCFG, CFG, int(rng.integers(1 << 30)))
+    D, nF, B = CFG.hidden_size, len(DCFG.target_layers), DCFG.block_size
+    S = 13
+    tokens = rng.integers(0, CFG.vocab_size, S)
+    feats = rng.standard_normal((S, nF * D))
+    ref = DraftModel(DCFG, CFG, dw, w["model.embed_tokens.weight"], lm_head(w), np.float64, max_len=64)
+    anchors = np.array([4, 8])
+    tm = TorchDrafter(DCFG, CFG, w["model.embed_tokens.weight"], lm_head(w), weights=dw, dtype=torch.float64)
+    lay = row_layout(S, anchors, B)
+    x = torch.cat([tm.context(torch.tensor(feats)[None]),
+                   tm.block_inputs(torch.tensor(tokens[anchors])[None]).reshape(1, len(anchors) * B, D)], 1)
+    h = tm.stack(x, lay.positions[None], torch.tensor(lay.mask)[None])
+    for j, a in enumerate(anchors):
+        ref.add_context(feats[:3], 0)  # context in two chunks: rows [0, 3) then [3, a)
+        ref.add_context(feats[3:a], 3)
+        want = ref.block_logits(tokens[a], a)
+        got = tm.logits(h[0, S + j * B + 1: S + (j + 1) * B]).detach().numpy()
+        assert want.shape == (B - 1, CFG.vocab_size)
+        assert rel_err(got, want) < 1e-10, (a, rel_err(got, want))
+    # the training loss runs end to end and gives finite gradients
+    loss, hits, count = batch_loss(tm, tokens[None], feats[None], anchors[None], gamma=3.0)
+    loss.backward()
+    assert np.isfinite(float(loss.detach())) and count == 2 and hits.shape == (B - 1,)
+    assert all(torch.isfinite(p.grad).all() for p in tm.params.values())
+
+
+def test_learned_drafter_keeps_the_invariant(rng):
+    w = random_weights(CFG, int(rng.integers(1 << 30)))
+    dw = random_drafter_weights(DCFG, CFG, int(rng.integers(1 << 30)))
+    for trial in range(4):
+        prompt = rng.integers(0, CFG.vocab_size, int(rng.integers(1, 12)))
+        n = int(rng.integers(6, 16))
+        ar = ar_generate(RefModel(CFG, w, max_len=64), prompt, n)
+        draft = DraftModel(DCFG, CFG, dw, w["model.embed_tokens.weight"], lm_head(w), np.float64, max_len=64)
+        d = LearnedDrafter(draft)
+        budget = int(rng.choice([1, 4, 12]))
+        res = generate(RefModel(CFG, w, max_len=64), prompt, n, drafter=d, budget=budget,
+                       block_size=DCFG.block_size)
+        assert res.tokens == ar.tokens, (trial, budget)
+        assert d.committed == len(prompt) + sum(res.accept_lengths)  # every committed position observed
+
+
+def test_learned_drafter_refuses_an_unobserved_context(rng):
+    """draft() needs context rows for every committed position and at most block_size - 1 depths."""
+    w = random_weights(CFG, int(rng.integers(1 << 30)))
+    d = LearnedDrafter(DraftModel(DCFG, CFG, random_drafter_weights(DCFG, CFG), w["model.embed_tokens.weight"],
+                                  lm_head(w), np.float32, max_len=32))
+    with pytest.raises(ValueError, match="context rows"):
+        d.draft(np.array([1, 2, 3]), 2, 4)
+    with pytest.raises(ValueError, match="depths"):
+        d.draft(np.array([1]), DCFG.block_size, 4)
+
+
+def test_fixture_round_trip_and_refusals(tmp_path, rng):
+    fx = read_fixture("fixtures/model_tiny.h5")
+    dcfg = DrafterConfig(target_layers=(0, 1), block_size=4, num_hidden_layers=1, intermediate_size=16)
+    dw = random_drafter_weights(dcfg, fx.config, 3)
+    fx.drafter = Drafter(dcfg, dw, {"note": "test"})
+    out = tmp_path / "with_drafter.h5"
+    write_fixture(out, fx)
+    back = read_fixture(out)
+    assert back.drafter.config == dcfg and back.drafter.meta == {"note": "test"}
+    for k, v in dw.items():
+        np.testing.assert_array_equal(back.drafter.weights[k], v)
+    for k, v in fx.weights.items():  # the model itself is untouched
+        np.testing.assert_array_equal(back.weights[k], v)
+    assert set(back.drafter.weights) == set(drafter_weight_names(dcfg, fx.config))
+    import h5py
+
+    from kdt.errors import KdtError
+
+    with h5py.File(out, "r+") as f:
+        del f["drafter/weights/fc.weight"]
+    with pytest.raises(KdtError, match="fc.weight"):
+        read_fixture(out)
+    bad = DrafterConfig(target_layers=(7,), block_size=4, num_hidden_layers=1, intermediate_size=16)
+    fx.drafter = Drafter(bad, dw)
+    with pytest.raises(KdtError, match="target_layers"):
+        write_fixture(tmp_path / "bad.h5", fx)
+    assert not (tmp_path / "bad.h5").exists()
+
+
+def test_copy_with_drafter_keeps_every_weight_bit_for_bit(tmp_path):
+    """model_code.h5 mixes bf16 matrices and float32 norms/router: the copy keeps each stored dtype."""
+    from kdt.fixture import copy_with_drafter, open_weights
+
+    src = "fixtures/model_code.h5"
+    fx = read_fixture(src, load_weights=False)
+    dcfg = DrafterConfig(target_layers=(1, 3), block_size=4, num_hidden_layers=1, intermediate_size=8)
+    out = tmp_path / "copy.h5"
+    copy_with_drafter(src, out, Drafter(dcfg, random_drafter_weights(dcfg, fx.config, 1)))
+    with open_weights(src) as a, open_weights(out) as b:
+        assert a.names == b.names
+        for n in a.names:
+            ra, da = a.read_raw(n)
+            rb, db = b.read_raw(n)
+            assert da == db and ra.dtype == rb.dtype, n
+            np.testing.assert_array_equal(ra, rb, err_msg=n)
+    back = read_fixture(out, load_weights=False)
+    assert back.drafter.config == dcfg and back.tokenizer == fx.tokenizer
+    assert [g.name for g in back.golden] == [g.name for g in fx.golden] and back.meta == fx.meta
+
+
+def test_train_drafter_cli_smoke(tmp_path):
+    """`kdt train-drafter` end to end on the tiny fixture (two steps), then `kdt generate` picks the
+    learned drafter by default and `kdt verify` checks it."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import json
+
+    from kdt.testing import run_kdt
+
+    out = tmp_path / "tiny_drafter.h5"
+    r = run_kdt("train-drafter", "fixtures/model_tiny.h5", "--out", out, "--minutes", "0", "--steps", "2",
+                "--sequences", "4", "--eval-sequences", "2", "--gen-len", "32", "--eval-prompts", "1",
+                "--block-size", "4", "--layers", "1", "--intermediate", "16")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "acceptance" in r.stderr and "learned" in r.stderr
+    fx = read_fixture(out)
+    assert fx.drafter.config.block_size == 4 and fx.drafter.meta["steps"] == 2
+    assert len(fx.drafter.meta["acceptance"]) == 6  # ar, chain, 3 budgets, suffix
+    r = run_kdt("generate", "--model", out, "--prompt", "def ", "-n", "8", "--backend", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["drafter"] == "learned" and doc["block_size"] == 4 and len(doc["tokens"]) == 8
+    r = run_kdt("verify", out, "--backend", "cpu")
+    assert r.returncode == 0 and "learned" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("args, msg", [
+    (("--target-layers", "9"), "target_layers"),
+    (("--target-layers", "x"), "--target-layers"),
+    (("--minutes", "0"), "--minutes"),
+])
+def test_train_drafter_refusals(tmp_path, args, msg):
+    from kdt.testing import run_kdt
+
+    r = run_kdt("train-drafter", "fixtures/model_tiny.h5", "--out", tmp_path / "x.h5", "--sequences", "2", *args)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.h5").exists()
