@@ -249,20 +249,46 @@ def train_drafter(
     pattern: str = typer.Option("*.py", help="File pattern under --corpus."),
     eval_prompts: int = typer.Option(8, help="Held-out prompts for the final acceptance table (0: skip)."),
     seed: int = typer.Option(0, help="Seed of data sampling and initialisation."),
+    eval_only: bool = typer.Option(False, "--eval-only", help="Skip training: the acceptance table of MODEL's "
+                                   "drafter."),
+    backend: str = typer.Option("cpu", help="Backend of the acceptance table: cpu | cuda."),
+    dtype: str = typer.Option("float32", help="Target weights on the GPU for the table: float32 | bf16."),
+    json_out: Path = typer.Option(None, "--json", help="Write the acceptance table (and training summary) here."),
 ):
     """Train a DFlash-style block drafter for MODEL with torch (the `train` extra) against the target's own
     greedy continuations, store it under /drafter, and print its acceptance on held-out text. On a
     2-core CPU the default run takes ~15 minutes (data ~2, training --minutes, evaluation ~2)."""
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        fail("kdt train-drafter needs torch and transformers: pip install -e '.[train]'")
+    from kdt.engine import resolve_backend
     from kdt.fixture import Drafter, copy_with_drafter
     from kdt.tokenizer import load_tokenizer
     from kdt.train_drafter import TrainArgs, acceptance_table, corpus_streams, train
 
     fx = _load(model)
+    be = resolve_backend(backend)
+    log = lambda m: err.print(m, highlight=False)  # noqa: E731
+
+    def table(eval_stream) -> list[dict]:
+        log(f"acceptance on {eval_prompts} held-out prompts ({be} backend, greedy; every run equals AR):")
+        rows = acceptance_table(fx, eval_stream, prompts=eval_prompts, seed=seed, backend=be, dtype=dtype, log=log)
+        if json_out is not None:
+            json_out.write_text(json.dumps({"model": str(model), "backend": be, "dtype": dtype,
+                                            "drafter_config": json.loads(fx.drafter.config.to_json()),
+                                            "acceptance": rows, "training": fx.drafter.meta}, indent=1))
+            log(f"wrote {json_out}")
+        return rows
+
+    if eval_only:
+        if fx.drafter is None:
+            fail(f"{model} carries no learned drafter")
+        if eval_prompts < 1:
+            fail("--eval-only needs --eval-prompts >= 1")
+        table(corpus_streams(load_tokenizer(fx.tokenizer), corpus and str(corpus), pattern)[1])
+        return
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        fail("kdt train-drafter needs torch and transformers: pip install -e '.[train]'")
     if fx.drafter is not None:
         err.print(f"{model} already carries a drafter: it will be replaced", highlight=False)
     try:
@@ -283,12 +309,10 @@ def train_drafter(
     need = args.prompt_len + args.gen_len
     if min(len(train_stream), len(eval_stream)) <= need:
         fail(f"the corpus is too small: need more than {need} tokens in both its training and held-out files")
-    log = lambda m: err.print(m, highlight=False)  # noqa: E731
     dcfg, weights, summary = train(fx.config, fx.weights, train_stream, eval_stream, args, log=log)
     fx.drafter = Drafter(dcfg, weights, summary)
     if eval_prompts > 0:
-        log(f"acceptance on {eval_prompts} held-out prompts (CPU backend, greedy; every run equals AR):")
-        summary["acceptance"] = acceptance_table(fx, eval_stream, prompts=eval_prompts, seed=seed, log=log)
+        summary["acceptance"] = table(eval_stream)
     dest = out or model
     copy_with_drafter(model, dest, fx.drafter)
     log(f"wrote {dest} with its drafter ({sum(a.size for a in weights.values()) / 1e6:.2f}M parameters)")

@@ -371,12 +371,12 @@ def corpus_streams(tokenizer, corpus: str | None = None, pattern: str = "*.py") 
 
 
 def acceptance_table(fixture, eval_stream: np.ndarray, budgets=(16, 64, 256), prompts: int = 8,
-                     prompt_len: int = 64, new_tokens: int = 96, seed: int = 0, target_factory=None,
-                     log: Callable[[str], None] = print) -> list[dict]:
+                     prompt_len: int = 64, new_tokens: int = 96, seed: int = 0, backend: str = "cpu",
+                     dtype: str = "float32", log: Callable[[str], None] = print) -> list[dict]:
     """Greedy decoding of held-out prompts with the fixture's learned drafter at ``budgets``, the same
-    drafter as a chain (budget = block - 1), the suffix drafter and AR. Every run's tokens are checked
-    equal to AR's (the invariant). Rows: drafter, budget, mean acceptance per step (root included),
-    steps, tokens/s (wall clock of this backend)."""
+    drafter as a chain (budget = block - 1), the suffix drafter and AR, on ``backend``. Every run's
+    tokens are checked equal to AR's (the invariant). Rows: drafter, budget, mean acceptance per step
+    (root included), steps, tokens/s (wall clock of this backend)."""
     from kdt.drafters import SuffixDrafter, learned_drafter
     from kdt.engine import load_target
     from kdt.errors import KdtError
@@ -384,12 +384,13 @@ def acceptance_table(fixture, eval_stream: np.ndarray, budgets=(16, 64, 256), pr
 
     cfg, B = fixture.config, fixture.drafter.config.block_size
     max_len = prompt_len + new_tokens + max(budgets) + 2
-    make = target_factory or (lambda: load_target(cfg, fixture.weights, "cpu", max_len=max_len))
     rng = np.random.default_rng(seed)
     windows = random_windows(eval_stream, prompts, prompt_len, rng)
     runs = [("ar", None, 0), ("learned chain", "learned", B - 1)] + [("learned", "learned", b) for b in budgets]
     runs.append(("suffix", "suffix", max(budgets)))
-    target = make()
+    target = load_target(cfg, fixture.weights, backend, dtype, max_len, max_tokens=max(256, max(budgets) + 1))
+    generate(target, windows[0], 8, drafter=learned_drafter(fixture, max_len, target), budget=max(budgets),
+             block_size=B)  # warm-up: JIT compilation and CUDA graphs are not part of the timings
     rows = []
     ar_tokens = []
     for name, kind, budget in runs:

@@ -161,6 +161,11 @@ def test_train_drafter_cli_smoke(tmp_path):
     assert doc["drafter"] == "learned" and doc["block_size"] == 4 and len(doc["tokens"]) == 8
     r = run_kdt("verify", out, "--backend", "cpu")
     assert r.returncode == 0 and "learned" in r.stdout, r.stdout[-2000:]
+    r = run_kdt("train-drafter", out, "--eval-only", "--eval-prompts", "1", "--json", tmp_path / "acc.json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((tmp_path / "acc.json").read_text())
+    assert [row["drafter"] for row in doc["acceptance"]][:2] == ["ar", "learned chain"]
+    assert doc["training"]["steps"] == 2
 
 
 @pytest.mark.parametrize("args, msg", [
