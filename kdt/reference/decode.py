@@ -47,7 +47,12 @@ class Target(Protocol):
 
 class Drafter(Protocol):
     """Proposes, for depths 1..depth after the root, the top-k tokens and their log-probabilities
-    (normalised over the full vocabulary; rows sorted by descending log-probability, distinct tokens)."""
+    (normalised over the full vocabulary; rows sorted by descending log-probability, distinct tokens).
+
+    A drafter that reads target features (the learned block drafter) also has ``feature_layers`` (the
+    target layers it reads) and ``observe(hidden, start)``: the loop hands it those layers' hidden
+    states ``{layer: [T, D]}`` for positions [start, start + T) as they are committed (prefill, then
+    the accepted nodes of every verify)."""
 
     name: str
 
