@@ -179,7 +179,8 @@ class Buffers:
 
 class ForwardGraphs:
     """CUDA graphs of the forward, one per token count M (SPEC section 5: a forward is hundreds of
-    launches; from Python each costs ~20 us of host time, replayed from a graph ~1 us).
+    launches; from Python each costs ~20 us of host time, replayed from a graph ~1 us). ``launch(M,
+    stream)`` issues the launches; M is any int key (the drafter uses 0 for its block program).
 
     The first forward of a given M runs directly (it compiles its kernels and allocates any lazy
     scratch); the second captures the launches with a ``cuda.core`` graph builder, and every later one
@@ -421,28 +422,44 @@ class CudaDraftModel(DecoderStack):
         self.mask_rows = cuda.to_device(np.ascontiguousarray(np.broadcast_to(mask, (B - 1, D))))
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
         self.feat_in = cuda.device_array((self.M_max, len(dcfg.target_layers) * D), np.float32)
+        self.graphs = ForwardGraphs(self._program) if not IS_SIM else None
 
     def add_context(self, features: np.ndarray, start: int) -> None:
         """Context rows for positions [start, start + T) from target features [T, n_feat*D]."""
-        b, eps = self.buf, self.cfg.rms_norm_eps
         feats = np.ascontiguousarray(features, np.float32)
         for s0 in range(0, feats.shape[0], self.M_max):
             m = min(self.M_max, feats.shape[0] - s0)
             self.feat_in[:m].copy_to_device(feats[s0:s0 + m])
             self._stage(np.arange(start + s0, start + s0 + m), start + s0, np.tril(np.ones((m, m), bool)))
-            linear(self.feat_in[:m], self.fc, b.x[:m])
-            ew.rmsnorm(b.x[:m], self.hidden_norm, eps, b.x[:m])
-            self._layers(m)
+            self._run(m)
 
     def block_logits(self, root: int, L: int) -> np.ndarray:
         B, b = self.dcfg.block_size, self.buf
         self._stage(np.arange(L, L + B), L, np.ones((B, B), bool), tokens=np.full(B, int(root)))
-        ew.embedding(b.tokens[:1], self.embed_tokens, b.x[:1])
-        ew.copy(self.mask_rows, b.x[1:B])
-        self._layers(B)
-        ew.rmsnorm(b.x[1:B], self.norm, self.cfg.rms_norm_eps, b.a[1:B])
-        linear(b.a[1:B], self.lm_head, b.logits[: B - 1])
+        self._run(0)
         return b.logits[: B - 1].copy_to_host()
+
+    def _run(self, key: int) -> None:
+        """Program ``key``: 0 = the block, m > 0 = m context rows; replayed from a CUDA graph per key
+        on a real GPU (inputs staged in the buffers, like the target's forward)."""
+        if self.graphs is None:
+            self._program(key)
+        else:
+            self.graphs.run(key)
+
+    def _program(self, key: int, stream=0) -> None:
+        b, eps, s = self.buf, self.cfg.rms_norm_eps, stream
+        if key > 0:  # context rows: rmsnorm(fc @ features) through the stack
+            linear(self.feat_in[:key], self.fc, b.x[:key], stream=s)
+            ew.rmsnorm(b.x[:key], self.hidden_norm, eps, b.x[:key], stream=s)
+            self._layers(key, s)
+            return
+        B = self.dcfg.block_size  # the block: [embed(root), mask x (B-1)] -> logits of depths 1..B-1
+        ew.embedding(b.tokens[:1], self.embed_tokens, b.x[:1], stream=s)
+        ew.copy(self.mask_rows, b.x[1:B], stream=s)
+        self._layers(B, s)
+        ew.rmsnorm(b.x[1:B], self.norm, eps, b.a[1:B], stream=s)
+        linear(b.a[1:B], self.lm_head, b.logits[: B - 1], stream=s)
 
 
 @dataclass
