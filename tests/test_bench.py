@@ -28,6 +28,8 @@ def test_bench_quick_cpu_writes_json(tmp_path):
         if row["kind"] in ("prefill", "decode", "verify"):
             assert row["value"] > 0 and row["floor_ms"] > 0 and row["x_floor"] > 0, name
     assert rows["decode DDTree oracle"]["extra"]["avg_accept"] == 8.0  # block 8, full acceptance
+    chain = rows["decode DDTree oracle chain"]["extra"]
+    assert chain["budget"] == 7 and chain["avg_accept"] == 8.0  # the chain accepts the whole block too
     if "peer logits rel. difference" in rows:  # transformers installed: the peer computes the same model
         assert rows["peer logits rel. difference"]["value"] < 1e-4
         assert rows["decode AR"]["peer"] > 0
