@@ -12,7 +12,9 @@ Needs torch (the ``train`` extra; transformers too, for the target's greedy cont
    row set per sequence is every context row (causal) plus ``anchors`` blocks ``[root, mask ...]``
    rooted at random positions of the generated part; block j sees the context before its root and its
    own rows. Loss: cross-entropy of depths 1..B-1 against the target's greedy tokens, weighted
-   ``exp(-(d-1)/gamma)`` (the early depths matter most to a tree). AdamW, warmup then cosine decay.
+   ``exp(-(d-1)/gamma)`` (the early depths matter most to a tree). AdamW, warmup then cosine decay
+   over the ``--minutes`` budget (so the schedule follows elapsed time; ``--steps N --minutes 0``
+   makes a run repeatable for a seed).
 3. **Storage**: the weights (float32) and config go under ``/drafter`` of the model file (atomic
    rewrite; the model's own weights are copied bit for bit), with the training summary in its meta.
 """
@@ -330,10 +332,11 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
         opt.step()
         step += 1
         if step % 10 == 0 or step == 1:
-            rec = {"step": step, "loss": round(float(loss.detach()), 4), "lr": lr,
+            rec = {"step": step, "loss": round(float(loss.detach()), 4), "lr": float(f"{lr:.3g}"),
                    "elapsed_s": round(time.perf_counter() - t_train, 1)}
             if step % 50 == 0:
-                rec["eval_loss"], rec["eval_top1_by_depth"] = evaluate()
+                ev_loss, rec["eval_top1_by_depth"] = evaluate()
+                rec["eval_loss"] = round(ev_loss, 4)
             curve.append(rec)
             log("  " + " ".join(f"{k}={v}" for k, v in rec.items() if k != "eval_top1_by_depth")
                 + (f" top1[d1..]={rec['eval_top1_by_depth'][:4]}" if "eval_top1_by_depth" in rec else ""))
