@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from kdt.config import preset
 from kdt.drafters import OracleDrafter, SuffixDrafter, UselessDrafter
@@ -223,3 +224,28 @@ def test_cuda_graph_replay_equals_direct_launches(rng):
             for m in (g, d, ref):
                 m.compact(L0, [0, 1])
     assert set(g.graphs.graphs) == {1, 4}  # captured for the repeated counts, replayed after
+
+
+def test_cuda_tree_ops_accept_follows_sampled_choices(rng):
+    """With temperature > 0 the target's choices are sampled on the host: the device accept must walk
+    those (uploaded), not the argmax a previous greedy step left in the device buffer."""
+    from kdt.engine.cuda_model import DeviceLogits
+    from kdt.reference.ddtree import build_tree, follow_verified_tree
+
+    cm = cuda_model(MICRO, random_weights(MICRO, 1), max_len=40, max_tokens=8)
+    ops, V = cm.tree_ops, MICRO.vocab_size
+    draft_t = np.stack([rng.choice(V, 3, replace=False) for _ in range(3)]).astype(np.int64)
+    draft_lp = -np.sort(rng.exponential(1.0, (3, 3)), axis=1).astype(np.float32)
+    root = int(rng.integers(V))
+    tree = ops.build(root, draft_t, draft_lp, 6, 5)
+    ref = build_tree(root, draft_t, draft_lp, 6)
+    assert tree.n == ref.n
+    ops.choose(DeviceLogits(cuda.to_device(rng.standard_normal((tree.n, V)).astype(np.float32))), 0.0, rng)
+    logits = np.full((tree.n, V), -30.0, np.float32)  # a sampler that must pick the first child's token
+    for i in range(ref.n):
+        kids = ref.children(i)
+        logits[i, ref.tokens[kids[0]] if kids else 0] = 30.0
+    choice = ops.choose(logits, 1.0, np.random.default_rng(0))
+    accepted, bonus = ops.accept(tree, choice)
+    want, want_bonus = follow_verified_tree(ref, choice)
+    assert accepted.tolist() == list(want) and bonus == want_bonus and len(accepted) > 1

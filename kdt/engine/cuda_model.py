@@ -491,6 +491,7 @@ class CudaTreeOps(TreeOps):
         self.acc = kd.AcceptBuffers(cuda.device_array((1, self.nmax), np.int32), cuda.device_array(1, np.int32),
                                     cuda.device_array(1, np.int64))
         self._draft: dict[tuple[int, int], tuple] = {}  # (D, K) -> device draft_tokens, draft_logp
+        self._choice_on_device = False  # the last choose() left its choices in buf.choice (greedy argmax)
 
     def build(self, root, draft_tokens, draft_logp, budget, L):
         if budget + 1 > self.nmax:
@@ -526,7 +527,8 @@ class CudaTreeOps(TreeOps):
         return (logits, m.hidden_rows(n)) if hidden_layers else logits
 
     def choose(self, logits, temperature, rng):
-        if temperature > 0 or not isinstance(logits, DeviceLogits):
+        self._choice_on_device = temperature == 0 and isinstance(logits, DeviceLogits)
+        if not self._choice_on_device:  # sampling (or host logits): the choices are made on the host
             return super().choose(np.asarray(logits), temperature, rng)
         M = logits.shape[0]
         out = self.model.buf.choice[:M]
@@ -537,8 +539,11 @@ class CudaTreeOps(TreeOps):
         if not isinstance(tree, GpuTree):
             return super().accept(tree, choice)
         t, n = self.tree, tree.n
-        if n > 1:  # the device choice of the last verify (``choice`` is its host copy)
-            ch = self.model.buf.choice[: self.nmax].reshape(1, self.nmax)
+        if n > 1:
+            b = self.model.buf
+            if not self._choice_on_device:  # host-made choices (sampling): upload them
+                b.choice[:n].copy_to_device(np.ascontiguousarray(choice, np.int64)[:n])
+            ch = b.choice[: self.nmax].reshape(1, self.nmax)
             kd.accept_gpu(t.first_child, t.next_sibling, t.tokens, ch, t.n_nodes, out=self.acc)
             row = self.acc.accepted[0].copy_to_host()  # the path, padded with -1: one copy
             accepted = row[row >= 0].astype(np.int64)
