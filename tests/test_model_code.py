@@ -54,3 +54,20 @@ def test_verify_golden_traces_pass_on_cpu():
     r = kdt("verify", MODEL, "--backend", "cpu")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "FAIL" not in r.stdout and "PASS" in r.stdout
+
+
+def test_learned_drafter_is_the_default_and_equals_autoregressive():
+    """The committed drafter: recorded held-out acceptance >= 6 per step at every learned budget, the
+    default of `kdt generate`, and its output equals plain greedy decoding."""
+    from kdt.fixture import read_fixture
+
+    fx = read_fixture(MODEL, load_weights=False)
+    assert fx.drafter is not None and fx.drafter.config.block_size == 16
+    learned = [r for r in fx.drafter.meta["acceptance"] if r["drafter"].startswith("learned")]
+    assert len(learned) == 4 and min(r["avg_accept"] for r in learned) >= 6.0
+    prompt = "import os\n\n\ndef "
+    dd = generate_json("--prompt", prompt, "-n", "64")
+    ar = generate_json("--prompt", prompt, "-n", "64", "--drafter", "none")
+    assert dd["drafter"] == "learned" and dd["block_size"] == 16
+    assert dd["tokens"] == ar["tokens"]
+    assert dd["avg_accept"] > 2.0, dd["avg_accept"]
