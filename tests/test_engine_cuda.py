@@ -110,27 +110,38 @@ def test_cuda_target_feeds_the_learned_drafter(rng):
     assert d.committed == len(prompt) + sum(res.accept_lengths)
 
 
-def test_cuda_draft_model_matches_reference(rng):
+def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers: int) -> None:
     """CudaDraftModel (the drafter on the target's kernels) == the NumPy DraftModel: context rows added
     in two chunks (the second longer than its buffers: chunked again), then a block's logits."""
     from kdt.engine.cuda_model import CudaDraftModel
     from kdt.reference.drafter import DrafterConfig, DraftModel, random_drafter_weights
 
-    w = random_weights(MICRO, int(rng.integers(1 << 30)))
-    dcfg = DrafterConfig(target_layers=(0,), block_size=3, num_hidden_layers=1, intermediate_size=16)
-    dw = random_drafter_weights(dcfg, MICRO, int(rng.integers(1 << 30)))
-    head = w["model.embed_tokens.weight" if MICRO.tie_word_embeddings else "lm_head.weight"]
-    ref = DraftModel(dcfg, MICRO, dw, w["model.embed_tokens.weight"], head, np.float64, max_len=40)
-    gpu = CudaDraftModel(dcfg, cuda_model(MICRO, w), dw, max_len=40, max_tokens=4)
-    feats = rng.standard_normal((7, MICRO.hidden_size)).astype(np.float32)
+    w = random_weights(cfg, int(rng.integers(1 << 30)))
+    dcfg = DrafterConfig(target_layers=(0,), block_size=block, num_hidden_layers=layers, intermediate_size=16)
+    dw = random_drafter_weights(dcfg, cfg, int(rng.integers(1 << 30)))
+    head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    max_len = n_ctx + block + 8
+    ref = DraftModel(dcfg, cfg, dw, w["model.embed_tokens.weight"], head, np.float64, max_len=max_len)
+    gpu = CudaDraftModel(dcfg, cuda_model(cfg, w, max_len=max_len), dw, max_len=max_len, max_tokens=max_tokens)
+    feats = rng.standard_normal((n_ctx, cfg.hidden_size)).astype(np.float32)
     for m in (ref, gpu):
         m.add_context(feats[:2], 0)
-        m.add_context(feats[2:], 2)  # 5 rows > max_tokens 4
-    root = int(rng.integers(MICRO.vocab_size))
-    want = ref.block_logits(root, 7)
-    got = gpu.block_logits(root, 7)
-    assert got.shape == want.shape == (2, MICRO.vocab_size)
-    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+        m.add_context(feats[2:], 2)
+    root = int(rng.integers(cfg.vocab_size))
+    for _ in range(2):  # twice: on a GPU the second block replays a captured graph
+        want = ref.block_logits(root, n_ctx)
+        got = gpu.block_logits(root, n_ctx)
+        assert got.shape == want.shape == (block - 1, cfg.vocab_size)
+        assert rel_err(got, want) < 1e-5, rel_err(got, want)
+
+
+def test_cuda_draft_model_matches_reference(rng):
+    check_draft_model(MICRO, rng, n_ctx=7, max_tokens=4, block=3, layers=1)
+
+
+@pytest.mark.gpu
+def test_cuda_draft_model_matches_reference_gpu(rng):
+    check_draft_model(preset("tiny"), rng, n_ctx=300, max_tokens=64, block=16, layers=2)
 
 
 @pytest.mark.gpu
