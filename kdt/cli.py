@@ -311,11 +311,12 @@ def train_drafter(
         fail(f"the corpus is too small: need more than {need} tokens in both its training and held-out files")
     dcfg, weights, summary = train(fx.config, fx.weights, train_stream, eval_stream, args, log=log)
     fx.drafter = Drafter(dcfg, weights, summary)
+    dest = out or model
+    copy_with_drafter(model, dest, fx.drafter)  # saved before the evaluation: nothing trained is lost
+    log(f"wrote {dest} with its drafter ({sum(a.size for a in weights.values()) / 1e6:.2f}M parameters)")
     if eval_prompts > 0:
         summary["acceptance"] = table(eval_stream)
-    dest = out or model
-    copy_with_drafter(model, dest, fx.drafter)
-    log(f"wrote {dest} with its drafter ({sum(a.size for a in weights.values()) / 1e6:.2f}M parameters)")
+        copy_with_drafter(dest, dest, fx.drafter)  # again, with the acceptance table in its meta
 
 
 @app.command()
