@@ -175,11 +175,11 @@ def learned_drafter(fixture, max_len: int, target=None, dtype=np.float32) -> Lea
 
         return LearnedDrafter(CudaDraftModel(fixture.drafter.config, target, fixture.drafter.weights, max_len))
     from kdt.reference.drafter import DraftModel
+    from kdt.reference.model import lm_head_weight
 
     cfg, w = fixture.config, fixture.weights
-    head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     return LearnedDrafter(DraftModel(fixture.drafter.config, cfg, fixture.drafter.weights,
-                                     w["model.embed_tokens.weight"], head, dtype, max_len=max_len))
+                                     w["model.embed_tokens.weight"], lm_head_weight(cfg, w), dtype, max_len=max_len))
 
 
 def make_drafter(name: str, vocab_size: int, sequence: Sequence[int] | None = None, seed: int = 0):

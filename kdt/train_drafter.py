@@ -31,6 +31,7 @@ import numpy as np
 from kdt.config import ModelConfig
 from kdt.reference import ops
 from kdt.reference.drafter import DrafterConfig, random_drafter_weights
+from kdt.reference.model import lm_head_weight
 
 
 def default_target_layers(n_layers: int, n_feat: int = 3) -> tuple[int, ...]:
@@ -295,8 +296,7 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
     data_s = time.perf_counter() - t0
     log(f"data ready in {data_s:.0f} s: features of layers {list(layers)} ({tr_feat.shape[-1]} per position)")
 
-    lm_head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-    model = TorchDrafter(dcfg, cfg, weights["model.embed_tokens.weight"], lm_head, seed=a.seed)
+    model = TorchDrafter(dcfg, cfg, weights["model.embed_tokens.weight"], lm_head_weight(cfg, weights), seed=a.seed)
     params = list(model.params.values())
     n_params = int(sum(p.numel() for p in params))
     decay = [p for p in params if p.dim() == 2]

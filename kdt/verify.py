@@ -4,12 +4,11 @@ For every golden prompt: autoregressive decoding must reproduce the golden token
 within tolerance, and DDTree with the oracle, noisy-oracle and useless drafters must reproduce them
 too (the invariant of SPEC section 3); the oracle's acceptance per step must equal the block size.
 A fixture that carries a learned drafter is also checked with it (mode ``learned``, its own block
-size), on targets that hand it features (both backends).
+size); both backends hand it the target's hidden states.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,11 +51,6 @@ def _leading_match(a, b) -> int:
     return n
 
 
-def reads_features(target) -> bool:
-    """The target's forward can return hidden states (what a learned drafter reads)."""
-    return "hidden_layers" in inspect.signature(target.forward).parameters
-
-
 def _drafter(mode: str, fx: Fixture, sequence, seed: int, target):
     V = fx.config.vocab_size
     if mode == "ar":
@@ -72,10 +66,10 @@ def run_verify(fx: Fixture, make_target: Callable[[], object], budget: int = 16,
                atol: float = 1e-3, seed: int = 0, modes=None, on_check: Callable[[Check], None] | None = None
                ) -> list[Check]:
     """``make_target()`` gives a fresh target (empty cache) for each run. ``modes`` default: MODES, and
-    ``learned`` when the fixture carries a drafter and the target reads features."""
+    ``learned`` when the fixture carries a drafter."""
     checks = []
     if modes is None:
-        modes = MODES + (("learned",) if fx.drafter is not None and reads_features(make_target()) else ())
+        modes = MODES + (("learned",) if fx.drafter is not None else ())
     for g in fx.golden:
         golden = [int(t) for t in g.output]
         sequence = np.concatenate([g.prompt, g.output])

@@ -16,7 +16,7 @@ from kdt.drafters import LearnedDrafter
 from kdt.fixture import Drafter, read_fixture, write_fixture
 from kdt.reference.decode import ar_generate, generate
 from kdt.reference.drafter import DrafterConfig, DraftModel, drafter_weight_names, random_drafter_weights
-from kdt.reference.model import RefModel
+from kdt.reference.model import RefModel, lm_head_weight
 from kdt.testing import rel_err
 from kdt.weights import random_weights
 
@@ -26,7 +26,7 @@ DCFG = DrafterConfig(target_layers=(0, CFG.num_hidden_layers - 1), block_size=5,
 
 
 def lm_head(w):
-    return w["model.embed_tokens.weight"] if CFG.tie_word_embeddings else w["lm_head.weight"]
+    return lm_head_weight(CFG, w)
 
 
 def test_torch_drafter_equals_reference(rng):

@@ -15,7 +15,7 @@ from numba import cuda
 from kdt.config import preset
 from kdt.drafters import OracleDrafter, SuffixDrafter, UselessDrafter
 from kdt.reference.decode import ar_generate, generate
-from kdt.reference.model import RefModel, causal_block
+from kdt.reference.model import RefModel, causal_block, lm_head_weight
 from kdt.testing import rel_err
 from kdt.weights import random_weights
 
@@ -93,7 +93,7 @@ def test_cuda_target_feeds_the_learned_drafter(rng):
     dcfg = DrafterConfig(target_layers=(0, MICRO.num_hidden_layers - 1), block_size=4, num_hidden_layers=1,
                          intermediate_size=16)
     dw = random_drafter_weights(dcfg, MICRO, 5)
-    head = w["model.embed_tokens.weight" if MICRO.tie_word_embeddings else "lm_head.weight"]
+    head = lm_head_weight(MICRO, w)
     prompt = rng.integers(0, MICRO.vocab_size, 3)
     cm = cuda_model(MICRO, w)
     logits, hidden = cm.forward(prompt, np.arange(3), 0, causal_block(3), hidden_layers=dcfg.target_layers)
@@ -119,7 +119,7 @@ def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers:
     w = random_weights(cfg, int(rng.integers(1 << 30)))
     dcfg = DrafterConfig(target_layers=(0,), block_size=block, num_hidden_layers=layers, intermediate_size=16)
     dw = random_drafter_weights(dcfg, cfg, int(rng.integers(1 << 30)))
-    head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    head = lm_head_weight(cfg, w)
     max_len = n_ctx + block + 8
     ref = DraftModel(dcfg, cfg, dw, w["model.embed_tokens.weight"], head, np.float64, max_len=max_len)
     gpu = CudaDraftModel(dcfg, cuda_model(cfg, w, max_len=max_len), dw, max_len=max_len, max_tokens=max_tokens)

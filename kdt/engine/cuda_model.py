@@ -260,6 +260,19 @@ class DecoderStack:
         self.feature_layers: tuple[int, ...] = ()
         self.feat = None  # [len(feature_layers), M_max, D]: hidden states recorded by the forward
         self.record_experts: list[int] | None = None  # bench: distinct experts per MoE layer, when a list
+        self.graphs: ForwardGraphs | None = None  # CUDA graphs of ``_program`` (set by the subclass)
+
+    def _program(self, key: int, stream=0) -> None:
+        """Launch program ``key`` (for the target: the forward of ``key`` tokens) on ``stream``."""
+        raise NotImplementedError
+
+    def _run(self, key: int) -> None:
+        """Program ``key`` over the inputs staged in the buffers: replayed from a CUDA graph when one is
+        captured for the key, else launched directly (the bench's expert count needs the direct path)."""
+        if self.graphs is None or self.record_experts is not None:
+            self._program(key)
+        else:
+            self.graphs.run(key)
 
     def _stage(self, positions, L: int, mask, tokens=None) -> None:
         """Upload one forward's inputs: [tokens | positions | L] in one copy; the mask when it changed."""
@@ -325,7 +338,7 @@ class CudaModel(DecoderStack):
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else src.matrix("lm_head.weight")
         self.tree_ops = CudaTreeOps(self)
         use = (not IS_SIM) if graphs is None else bool(graphs)
-        self.graphs = ForwardGraphs(self._forward_device) if use else None
+        self.graphs = ForwardGraphs(self._program) if use else None
 
     # ---- the single forward -----------------------------------------------------------------------
     def set_feature_layers(self, layers: tuple[int, ...]) -> None:
@@ -337,7 +350,7 @@ class CudaModel(DecoderStack):
         self.feature_layers = layers
         self.feat = cuda.device_array((len(layers), self.M_max, self.cfg.hidden_size), np.float32) if layers else None
         if self.graphs is not None:
-            self.graphs = ForwardGraphs(self._forward_device)
+            self.graphs = ForwardGraphs(self._program)
 
     def hidden_rows(self, M: int) -> dict[int, DeviceLogits]:
         """{layer: its hidden states [M, D] of the last forward} (copied to the host when read)."""
@@ -377,15 +390,7 @@ class CudaModel(DecoderStack):
         logits = DeviceLogits(b.logits[:M])
         return (logits, self.hidden_rows(M)) if hidden_layers else logits
 
-    def _run(self, M: int) -> None:
-        """The forward of the M tokens staged in the buffers: replayed from a CUDA graph when one is
-        captured for M, else launched directly (the bench's expert count needs the direct path)."""
-        if self.graphs is None or self.record_experts is not None:
-            self._forward_device(M)
-        else:
-            self.graphs.run(M)
-
-    def _forward_device(self, M: int, stream=0) -> None:
+    def _program(self, M: int, stream=0) -> None:
         """Launch every kernel of the forward of M tokens on ``stream`` (0, or a graph builder).
         Everything that changes from step to step (tokens, positions, mask, L) is read from the
         buffers, so the launches depend on M alone."""
@@ -439,15 +444,8 @@ class CudaDraftModel(DecoderStack):
         self._run(0)
         return b.logits[: B - 1].copy_to_host()
 
-    def _run(self, key: int) -> None:
-        """Program ``key``: 0 = the block, m > 0 = m context rows; replayed from a CUDA graph per key
-        on a real GPU (inputs staged in the buffers, like the target's forward)."""
-        if self.graphs is None:
-            self._program(key)
-        else:
-            self.graphs.run(key)
-
     def _program(self, key: int, stream=0) -> None:
+        """Program ``key``: 0 = the block, m > 0 = m context rows (each captured in its own graph)."""
         b, eps, s = self.buf, self.cfg.rms_norm_eps, stream
         if key > 0:  # context rows: rmsnorm(fc @ features) through the stack
             linear(self.feat_in[:key], self.fc, b.x[:key], stream=s)
@@ -469,11 +467,6 @@ class GpuTree:
 
     bufs: kd.TreeBuffers
     n: int
-
-    def host(self, field: str) -> np.ndarray:
-        """One field (tokens, depth, parent, ...) of this tree on the host, for tests and debugging."""
-        a = getattr(self.bufs, field).copy_to_host()[0]
-        return a[: self.n, : self.n] if field == "visibility" else a[: self.n]
 
 
 class CudaTreeOps(TreeOps):
@@ -516,7 +509,7 @@ class CudaTreeOps(TreeOps):
             return super().verify(target, tree, L, hidden_layers)
         if hidden_layers:
             self.model.set_feature_layers(tuple(hidden_layers))
-        m, t, n = self.model, self.tree, tree.n
+        m, t, n = self.model, tree.bufs, tree.n
         b = m.buf
         threads = 256
         kd.stage_tree[max(1, -(-n * n // threads)), threads](t.tokens, t.positions, t.visibility, t.n_nodes,
@@ -538,7 +531,7 @@ class CudaTreeOps(TreeOps):
     def accept(self, tree, choice):
         if not isinstance(tree, GpuTree):
             return super().accept(tree, choice)
-        t, n = self.tree, tree.n
+        t, n = tree.bufs, tree.n
         if n > 1:
             b = self.model.buf
             if not self._choice_on_device:  # host-made choices (sampling): upload them

@@ -55,6 +55,11 @@ def weight_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def lm_head_weight(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> np.ndarray:
+    """The output projection [V, D]: ``lm_head.weight``, or the embedding when the two are tied."""
+    return weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+
+
 def _mlp_shapes(prefix: str, D: int, inter: int) -> dict[str, tuple[int, ...]]:
     return {prefix + "gate_proj.weight": (inter, D), prefix + "up_proj.weight": (inter, D),
             prefix + "down_proj.weight": (D, inter)}
