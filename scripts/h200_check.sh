@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|drafter
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|drafter
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -45,12 +45,18 @@ bench)
     --json "$OUT/bench-$day-tiny.json"
   step bench_moonlight 420 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json" ;;
+baseline)  # after engine refactors: verify (incl. the learned drafter), all engine gpu tests, the drafter table
+  step verify_cuda_fp32 100 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 100 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step pytest_gpu_engine 200 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -p no:cacheprovider --durations=10
+  step drafter_cuda 170 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
 drafter)  # the learned drafter on the GPU: its gpu tests, then its acceptance table on the CUDA backend
   step pytest_gpu_drafter 240 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -k "learned or draft" \
     -p no:cacheprovider
   step drafter_cuda 300 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|drafter"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|drafter"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
