@@ -27,7 +27,7 @@ from kdt.reference.model import causal_block
 @dataclass
 class Row:
     name: str  # e.g. "prefill P=512", "verify n=64 L=8192"
-    kind: str  # prefill | decode | verify | stage | bandwidth
+    kind: str  # prefill | decode | verify | stage | host | bandwidth
     value: float  # tokens/s for throughput rows, ms for latency rows
     unit: str
     time_ms: float = float("nan")  # median time of the measured unit (one forward / one step)
@@ -235,6 +235,7 @@ def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConf
     # warm-up: compiles the tree kernels and every token-count bucket the timed runs will meet
     generate(target, prompt, bc.decode_tokens, drafter=OracleDrafter(seq, V, noise=0.3, seed=2), budget=bc.budget,
              block_size=bc.block_size)
+    host_runs = {"AR": ar}
     chain = bc.block_size - 1  # the oracle's best tree is its chain: the whole block, fewest nodes
     for name, drafter, budget in (("oracle", OracleDrafter(seq, V), bc.budget),
                                   ("oracle chain", OracleDrafter(seq, V), chain),
@@ -253,6 +254,12 @@ def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConf
                         extra={"avg_accept": res.avg_accept, "steps": res.steps, "budget": budget,
                                "block_size": bc.block_size, "vs_kdt_ar": len(res.tokens) / res.decode_s / r.value}))
         log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}")
+        if name == "oracle":
+            host_runs["DDTree oracle"] = res
+    for name, run in host_runs.items():  # Python's share of a step: launch, uploads, bookkeeping
+        if run.host_s is not None:  # (only the one-program device step measures it apart from the wait)
+            rows.append(Row(f"host work per step, {name}", "host", run.host_s / max(run.steps, 1) * 1e3, "ms/step"))
+            log(f"{rows[-1].name}: {rows[-1].value * 1e3:.0f} us")
 
     for Lp in bc.tree_prefixes:
         for n in bc.tree_sizes:

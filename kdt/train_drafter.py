@@ -392,16 +392,19 @@ def acceptance_table(fixture, eval_stream: np.ndarray, budgets=(16, 64, 256), pr
     runs = [("ar", None, 0), ("learned chain", "learned", B - 1)] + [("learned", "learned", b) for b in budgets]
     runs.append(("suffix", "suffix", max(budgets)))
     target = load_target(cfg, fixture.weights, backend, dtype, max_len, max_tokens=max(256, max(budgets) + 1))
-    generate(target, windows[0], 8, drafter=learned_drafter(fixture, max_len, target), budget=max(budgets),
-             block_size=B)  # warm-up: JIT compilation and CUDA graphs are not part of the timings
+    learned = learned_drafter(fixture, max_len, target)  # one drafter for every run: a prefill resets it
+
+    def drafter(kind):
+        return learned if kind == "learned" else SuffixDrafter(cfg.vocab_size) if kind == "suffix" else None
+
     rows = []
     ar_tokens = []
     for name, kind, budget in runs:
+        # warm-up of this configuration (JIT compilation, CUDA graph capture): not part of the timings
+        generate(target, windows[0], 2 * B, drafter=drafter(kind), budget=budget, block_size=B)
         acc, steps, n_tok, secs = [], 0, 0, 0.0
         for i, prompt in enumerate(windows):
-            d = (learned_drafter(fixture, max_len, target) if kind == "learned"
-                 else SuffixDrafter(cfg.vocab_size) if kind == "suffix" else None)
-            res = generate(target, prompt, new_tokens, drafter=d, budget=budget, block_size=B)
+            res = generate(target, prompt, new_tokens, drafter=drafter(kind), budget=budget, block_size=B)
             if kind is None:
                 ar_tokens.append(res.tokens)
             elif res.tokens != ar_tokens[i]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|drafter
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|drafter
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -51,12 +51,23 @@ baseline)  # after engine refactors: verify (incl. the learned drafter), all eng
   step pytest_gpu_engine 200 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -p no:cacheprovider --durations=10
   step drafter_cuda 170 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
+step)  # the one-program DDTree step, the on-disk kernel cache (a fresh one: first run compiles, second loads)
+  export KDT_CACHE_DIR=/tmp/kdt_cache_fresh; rm -rf "$KDT_CACHE_DIR"
+  step verify_compile 150 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_cached 90 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  du -sh "$KDT_CACHE_DIR" > "$OUT/cache_size.txt" 2>&1; ls "$KDT_CACHE_DIR" | wc -l >> "$OUT/cache_size.txt"
+  step pytest_gpu_step 200 python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_ddtree_kernels.py \
+    -k "not parity and not max_budget" -p no:cacheprovider --durations=8
+  step bench_tiny 90 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny.json"
+  step drafter_cuda 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
 drafter)  # the learned drafter on the GPU: its gpu tests, then its acceptance table on the CUDA backend
   step pytest_gpu_drafter 240 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -k "learned or draft" \
     -p no:cacheprovider
   step drafter_cuda 300 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|drafter"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|drafter"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -14,12 +14,17 @@ from kdt.kernels.ddtree import (
     _LOGP_CAP,
     _NODE_CAP,
     MAX_BUDGET,
+    TOPK_MAX_V,
     AcceptBuffers,
     TreeBuffers,
     accept_gpu,
     build_tree_gpu,
     compact_gpu,
+    gather_accepted,
+    stage_rows,
     stage_tree,
+    step_commit,
+    topk_gpu,
 )
 from kdt.reference.ddtree import Tree, build_tree, compact_cache, follow_verified_tree
 from kdt.testing import poisoned
@@ -198,12 +203,19 @@ def test_device_pipeline(rng):
         d_tree.first_child, d_tree.next_sibling, d_tree.tokens, cuda.to_device(tc), d_tree.n_nodes
     )
     assert all(hasattr(a, "copy_to_host") for a in d_acc)
-    n_acc = int(d_acc.n_accepted.copy_to_host()[0])
     c_kv = rng.standard_normal((2, 12, 4)).astype(np.float32)
     k_pe = rng.standard_normal((2, 12, 3)).astype(np.float32)
     d_c, d_k = cuda.to_device(c_kv), cuda.to_device(k_pe)
-    compact_gpu(d_c, d_k, 2, d_acc.accepted[0], n_acc)
-    accepted, _ = follow_verified_tree(tree, tc[0, : tree.n])
+    L_dev = cuda.to_device(np.array([2], np.int64))
+    compact_gpu(d_c, d_k, L_dev, d_acc.accepted[0], d_acc.n_accepted)  # L and n_acc read on the device
+    accepted, bonus = follow_verified_tree(tree, tc[0, : tree.n])
+    # step_commit: record = [1 + a, choice at each accepted node], L += 1 + a, root = bonus
+    record, root_dev = cuda.to_device(poisoned(budget + 2, np.int64)), cuda.to_device(np.array([-1], np.int64))
+    step_commit[1, 32](d_acc.accepted, d_acc.n_accepted, d_acc.bonus, cuda.to_device(tc[0]), L_dev, root_dev, record)
+    rec = record.copy_to_host()
+    assert rec[0] == accepted.size and (rec[1: 1 + accepted.size] == tc[0, accepted]).all()
+    assert (rec[1 + accepted.size:] == -7777).all()
+    assert L_dev.copy_to_host()[0] == 2 + accepted.size and root_dev.copy_to_host()[0] == bonus
     for layer in range(2):
         compact_cache([c_kv[layer], k_pe[layer]], 2, accepted)
     np.testing.assert_array_equal(d_c.copy_to_host(), c_kv)
@@ -277,3 +289,61 @@ def test_kv_compact_gpu(rng, n_layers, rkv, dr):
     run_compact_check(
         rng, n_layers, max_len=1024, rkv=rkv, dr=dr, L=700, accepted=accepted, nmax=n, threads=256
     )
+
+
+# ------------------------------------------------------------------------------- the device step's kernels
+
+
+def check_topk(rng, D: int, V: int, K: int, ties: bool) -> None:
+    """draft_topk == a stable argsort of the float64 log-softmax (tokens exactly, log-probs to 1e-6)."""
+    logits = rng.standard_normal((D, V)).astype(np.float32) * 3
+    if ties:  # repeated values: the smaller token id must come first
+        logits = np.round(logits).astype(np.float32)
+    x = logits.astype(np.float64)
+    logp = x - x.max(1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+    top = np.argsort(-logp, axis=1, kind="stable")[:, :K]
+    tok, lp = cuda.to_device(poisoned((1, D, K), np.int64)), cuda.to_device(poisoned((1, D, K)))
+    topk_gpu(cuda.to_device(logits), tok, lp)
+    np.testing.assert_array_equal(tok.copy_to_host()[0], top)
+    np.testing.assert_allclose(lp.copy_to_host()[0], np.take_along_axis(logp, top, 1), rtol=0, atol=2e-6)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("D, V, K", [(1, 5, 5), (3, 37, 8), (2, 64, 1)])
+def test_draft_topk(rng, D, V, K):
+    for ties in (False, True):
+        check_topk(rng, D, V, K, ties)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, V, K", [(15, 256, 256), (15, 256, 16), (7, 1000, 64), (15, TOPK_MAX_V, 512)])
+def test_draft_topk_gpu(rng, D, V, K):
+    for ties in (False, True):
+        check_topk(rng, D, V, K, ties)
+
+
+def test_topk_validates():
+    z = np.zeros
+    with pytest.raises(ValueError, match="draft_topk"):
+        topk_gpu(z((2, TOPK_MAX_V + 1), np.float32), z((1, 2, 4), np.int64), z((1, 2, 4), np.float32))
+
+
+@pytest.mark.kernels
+def test_stage_rows_and_gather_accepted(rng):
+    """stage_rows: positions L + i, L, tokens[0] = root; gather_accepted: the accepted rows of every
+    feature layer side by side, zeros after n_acc."""
+    L, root, B = 11, 42, 5
+    tokens, positions, L_out = (cuda.to_device(poisoned(n, np.int64)) for n in (B, B, 1))
+    stage_rows[1, B](cuda.to_device(np.array([L], np.int64)), cuda.to_device(np.array([root], np.int64)),
+                     tokens, positions, L_out)
+    np.testing.assert_array_equal(positions.copy_to_host(), L + np.arange(B))
+    assert L_out.copy_to_host()[0] == L and tokens.copy_to_host()[0] == root
+    F, M, D = 3, 9, 6
+    feat = rng.standard_normal((F, M, D)).astype(np.float32)
+    accepted = np.array([[0, 2, 5, -1, -1, -1]], np.int32)
+    out = cuda.to_device(poisoned((B, F * D)))
+    gather_accepted[B, 8](cuda.to_device(feat), cuda.to_device(accepted), cuda.to_device(np.array([3], np.int32)), out)
+    want = np.zeros((B, F * D), np.float32)
+    want[:3] = np.concatenate([feat[f][[0, 2, 5]] for f in range(F)], axis=1)
+    np.testing.assert_array_equal(out.copy_to_host(), want)

@@ -110,6 +110,39 @@ def test_cuda_target_feeds_the_learned_drafter(rng):
     assert d.committed == len(prompt) + sum(res.accept_lengths)
 
 
+def test_device_step_program_equals_separate_steps(rng):
+    """The one-program greedy step (StepGraph: draft -> build -> verify -> argmax -> accept -> compact ->
+    commit on the device, one copy back) == the step as separate calls, token for token and step for
+    step: AR and the learned drafter drafting inside the program (its block, top-k and context rows from
+    the accepted nodes' features, all on the device). Host drafters run the program in the invariant
+    test above (greedy runs take it by default)."""
+    from kdt.drafters import LearnedDrafter
+    from kdt.engine.cuda_model import CudaDraftModel
+    from kdt.reference.drafter import DrafterConfig, random_drafter_weights
+
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    prompt = rng.integers(0, MICRO.vocab_size, 3)
+    n = 3
+    cm = cuda_model(MICRO, w, max_len=24, max_tokens=8)
+    ar = ar_generate(cm, prompt, n, keep_logits=True)  # keep_logits: the separate-calls path
+    fused = ar_generate(cm, prompt, n)
+    assert fused.tokens == ar.tokens and fused.host_s is not None and ar.host_s is None
+    k = safe_len(ar.logits)
+    dcfg = DrafterConfig(target_layers=(0, MICRO.num_hidden_layers - 1), block_size=4, num_hidden_layers=1,
+                         intermediate_size=16)
+    learned = LearnedDrafter(CudaDraftModel(dcfg, cm, random_drafter_weights(dcfg, MICRO, 5), max_len=24))
+    assert cm.tree_ops.device_step(learned).drafts_on_device
+    runs, after = [], []
+    for dev in (False, True):
+        runs.append(generate(cm, prompt, n, drafter=learned, budget=5, block_size=4, device_steps=dev))
+        # the drafter's context after the run (fed on the device in the fused run): its next block
+        after.append(learned.model.block_logits(runs[-1].tokens[-1], learned.committed))
+    assert runs[1].tokens == runs[0].tokens and runs[1].accept_lengths == runs[0].accept_lengths
+    assert runs[1].tokens[:k] == ar.tokens[:k]
+    assert learned.committed == len(prompt) + sum(runs[1].accept_lengths)
+    assert rel_err(after[1], after[0]) < 1e-5
+
+
 def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers: int) -> None:
     """CudaDraftModel (the drafter on the target's kernels) == the NumPy DraftModel: context rows added
     in two chunks (the second longer than its buffers: chunked again), then a block's logits."""

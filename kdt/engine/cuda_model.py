@@ -29,7 +29,6 @@ from kdt.kernels import elementwise as ew
 from kdt.kernels import mla, moe
 from kdt.kernels.common import IS_SIM, f32_to_bf16_bits
 from kdt.kernels.linear import linear
-from kdt.reference.decode import TreeOps
 from kdt.reference.model import layer_prefix
 
 
@@ -274,25 +273,29 @@ class DecoderStack:
         else:
             self.graphs.run(key)
 
-    def _stage(self, positions, L: int, mask, tokens=None) -> None:
-        """Upload one forward's inputs: [tokens | positions | L] in one copy; the mask when it changed."""
+    def _stage(self, positions, L: int, mask=None, tokens=None) -> None:
+        """Upload one forward's inputs: [tokens | positions | L] in one copy; the mask (unless None: the
+        program brings its own) when it changed."""
         b, M = self.buf, len(positions)
         h = b.stage_host
         if tokens is not None:
             h[:M] = tokens
         h[b.M_max: b.M_max + M], h[-1] = positions, L
         b.stage.copy_to_device(h)
+        if mask is None:
+            return
         vis = np.asarray(mask, dtype=bool).astype(np.uint8).reshape(-1)
         if b.vis_host != vis.tobytes():  # AR steps and prefill chunks repeat their mask
             b.vis[: M * M].copy_to_device(vis)
             b.vis_host = vis.tobytes()
 
-    def _layers(self, M: int, stream=0) -> None:
+    def _layers(self, M: int, stream=0, vis=None) -> None:
+        """Every layer over ``buf.x[:M]``; ``vis`` [M, M] defaults to the staged ``buf.vis`` block."""
         cfg, b = self.cfg, self.buf
         eps, s = cfg.rms_norm_eps, stream
         positions = b.positions[:M]
         x, a = b.x[:M], b.a[:M]
-        vis = b.vis[: M * M].reshape(M, M)
+        vis = b.vis[: M * M].reshape(M, M) if vis is None else vis
         for i, lw in enumerate(self.layers):
             ew.rmsnorm(x, lw.input_layernorm, eps, a, stream=s)
             q = b.q[:M]
@@ -336,6 +339,8 @@ class CudaModel(DecoderStack):
         super().__init__(cfg, src, max_len, max_tokens)
         self.norm = src.vector("model.norm.weight")
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else src.matrix("lm_head.weight")
+        from kdt.engine.cuda_step import CudaTreeOps
+
         self.tree_ops = CudaTreeOps(self)
         use = (not IS_SIM) if graphs is None else bool(graphs)
         self.graphs = ForwardGraphs(self._program) if use else None
@@ -401,12 +406,13 @@ class CudaModel(DecoderStack):
         linear(b.a[:M], self.lm_head, b.logits[:M], stream=stream)
 
     def compact(self, L: int, accepted) -> None:
-        """Move cache slots L+accepted[i] -> L+i in every layer (one race-free kernel)."""
+        """Move cache slots L+accepted[i] -> L+i in every layer (one race-free kernel). ``L`` is the
+        prefix of the verify forward just run, which ``buf.L`` still holds on the device."""
         acc = np.ascontiguousarray(accepted, dtype=np.int32)
         if np.array_equal(acc, np.arange(acc.shape[0])):
             return  # the accepted path already sits in slots [L, L + n): nothing moves (AR, chains)
         self.buf.acc[: acc.shape[0]].copy_to_device(acc)
-        kd.compact_gpu(self.c_kv, self.k_pe, int(L), self.buf.acc, int(acc.shape[0]))
+        kd.compact_gpu(self.c_kv, self.k_pe, self.buf.L, self.buf.acc, int(acc.shape[0]))
 
 
 class CudaDraftModel(DecoderStack):
@@ -427,6 +433,10 @@ class CudaDraftModel(DecoderStack):
         self.mask_rows = cuda.to_device(np.ascontiguousarray(np.broadcast_to(mask, (B - 1, D))))
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
         self.feat_in = cuda.device_array((self.M_max, len(dcfg.target_layers) * D), np.float32)
+        # the block attends to the whole block (non-causal); the device DDTree step's context rows, B
+        # of them (the accepted ones first), causally
+        self.vis_block = cuda.to_device(np.ones((B, B), np.uint8))
+        self.vis_causal = cuda.to_device(np.tril(np.ones((B, B), np.uint8)))
         self.graphs = ForwardGraphs(self._program) if not IS_SIM else None
 
     def add_context(self, features: np.ndarray, start: int) -> None:
@@ -440,106 +450,29 @@ class CudaDraftModel(DecoderStack):
 
     def block_logits(self, root: int, L: int) -> np.ndarray:
         B, b = self.dcfg.block_size, self.buf
-        self._stage(np.arange(L, L + B), L, np.ones((B, B), bool), tokens=np.full(B, int(root)))
+        self._stage(np.arange(L, L + B), L, tokens=np.full(B, int(root)))
         self._run(0)
         return b.logits[: B - 1].copy_to_host()
 
     def _program(self, key: int, stream=0) -> None:
         """Program ``key``: 0 = the block, m > 0 = m context rows (each captured in its own graph)."""
+        if key > 0:
+            self.context_program(key, self.buf.vis[: key * key].reshape(key, key), stream)
+        else:
+            self.block_program(stream)
+
+    def context_program(self, m: int, vis, stream=0) -> None:
+        """m context rows: rmsnorm(fc @ feat_in[:m]) through the stack into cache slots [L, L + m)."""
         b, eps, s = self.buf, self.cfg.rms_norm_eps, stream
-        if key > 0:  # context rows: rmsnorm(fc @ features) through the stack
-            linear(self.feat_in[:key], self.fc, b.x[:key], stream=s)
-            ew.rmsnorm(b.x[:key], self.hidden_norm, eps, b.x[:key], stream=s)
-            self._layers(key, s)
-            return
-        B = self.dcfg.block_size  # the block: [embed(root), mask x (B-1)] -> logits of depths 1..B-1
+        linear(self.feat_in[:m], self.fc, b.x[:m], stream=s)
+        ew.rmsnorm(b.x[:m], self.hidden_norm, eps, b.x[:m], stream=s)
+        self._layers(m, s, vis)
+
+    def block_program(self, stream=0) -> None:
+        """The block [embed(root), mask x (B-1)] at positions [L, L + B) -> logits[:B-1] of depths 1..B-1."""
+        b, eps, s, B = self.buf, self.cfg.rms_norm_eps, stream, self.dcfg.block_size
         ew.embedding(b.tokens[:1], self.embed_tokens, b.x[:1], stream=s)
         ew.copy(self.mask_rows, b.x[1:B], stream=s)
-        self._layers(B, s)
+        self._layers(B, s, self.vis_block)
         ew.rmsnorm(b.x[1:B], self.norm, eps, b.a[1:B], stream=s)
         linear(b.a[1:B], self.lm_head, b.logits[: B - 1], stream=s)
-
-
-@dataclass
-class GpuTree:
-    """A tree built on the GPU, left there: its arrays are request 0 of ``bufs`` (kernel outputs); the
-    host knows only the node count. Node 0 is the root."""
-
-    bufs: kd.TreeBuffers
-    n: int
-
-
-class CudaTreeOps(TreeOps):
-    """DDTree steps with the GPU kernels, the tree never leaving the device: tree_build into persistent
-    buffers, stage_tree into the forward's inputs, argmax, tree_accept on the device choice. Per step
-    the host uploads the draft (two copies) and reads back the node count, the choices and the
-    accepted path."""
-
-    def __init__(self, model: CudaModel):
-        self.model = model
-        b = model.buf
-        self.nmax = min(b.M_max, kd.MAX_BUDGET + 1)
-        self.tree = kd.alloc_tree(1, self.nmax)
-        self.root = cuda.device_array(1, np.int64)
-        self.acc = kd.AcceptBuffers(cuda.device_array((1, self.nmax), np.int32), cuda.device_array(1, np.int32),
-                                    cuda.device_array(1, np.int64))
-        self._draft: dict[tuple[int, int], tuple] = {}  # (D, K) -> device draft_tokens, draft_logp
-        self._choice_on_device = False  # the last choose() left its choices in buf.choice (greedy argmax)
-
-    def build(self, root, draft_tokens, draft_logp, budget, L):
-        if budget + 1 > self.nmax:
-            raise ValueError(f"a tree of budget {budget} needs {budget + 1} nodes; this model verifies at most "
-                             f"{self.nmax} tokens per forward (max_tokens)")
-        dt = np.ascontiguousarray(draft_tokens, np.int64)[None]
-        dl = np.ascontiguousarray(draft_logp, np.float32)[None]
-        key = dt.shape[1:]
-        if key not in self._draft:
-            self._draft[key] = (cuda.device_array(dt.shape, np.int64), cuda.device_array(dl.shape, np.float32))
-        d_tok, d_logp = self._draft[key]
-        d_tok.copy_to_device(dt)
-        d_logp.copy_to_device(dl)
-        self.root.copy_to_device(np.array([root], np.int64))
-        b = self.model.buf
-        b.L.copy_to_device(np.array([L], np.int64))
-        kd.build_tree_gpu(self.root, d_tok, d_logp, int(budget), b.L, out=self.tree)
-        return GpuTree(self.tree, int(self.tree.n_nodes.copy_to_host()[0]))
-
-    def verify(self, target, tree, L, hidden_layers=()):
-        if not isinstance(tree, GpuTree):
-            return super().verify(target, tree, L, hidden_layers)
-        if hidden_layers:
-            self.model.set_feature_layers(tuple(hidden_layers))
-        m, t, n = self.model, tree.bufs, tree.n
-        b = m.buf
-        threads = 256
-        kd.stage_tree[max(1, -(-n * n // threads)), threads](t.tokens, t.positions, t.visibility, t.n_nodes,
-                                                             np.int32(0), b.tokens, b.positions, b.vis)
-        b.vis_host = None  # b.vis now holds the tree's mask
-        m._run(n)
-        logits = DeviceLogits(b.logits[:n])
-        return (logits, m.hidden_rows(n)) if hidden_layers else logits
-
-    def choose(self, logits, temperature, rng):
-        self._choice_on_device = temperature == 0 and isinstance(logits, DeviceLogits)
-        if not self._choice_on_device:  # sampling (or host logits): the choices are made on the host
-            return super().choose(np.asarray(logits), temperature, rng)
-        M = logits.shape[0]
-        out = self.model.buf.choice[:M]
-        ew.argmax_rows(logits.device, out)
-        return out.copy_to_host()
-
-    def accept(self, tree, choice):
-        if not isinstance(tree, GpuTree):
-            return super().accept(tree, choice)
-        t, n = tree.bufs, tree.n
-        if n > 1:
-            b = self.model.buf
-            if not self._choice_on_device:  # host-made choices (sampling): upload them
-                b.choice[:n].copy_to_device(np.ascontiguousarray(choice, np.int64)[:n])
-            ch = b.choice[: self.nmax].reshape(1, self.nmax)
-            kd.accept_gpu(t.first_child, t.next_sibling, t.tokens, ch, t.n_nodes, out=self.acc)
-            row = self.acc.accepted[0].copy_to_host()  # the path, padded with -1: one copy
-            accepted = row[row >= 0].astype(np.int64)
-        else:
-            accepted = np.zeros(1, np.int64)
-        return accepted, int(np.asarray(choice)[accepted[-1]])

@@ -147,7 +147,8 @@ def cases(name: str, dtype: str):
     n_layers = cfg.num_hidden_layers
     ckv, kpe = rand((n_layers, 1024, Rkv)), rand((n_layers, 1024, dr))
     acc = cuda.to_device(np.arange(0, 32, 2, dtype=np.int32))
-    yield "kv_compact", f"layers={n_layers} n_acc=16", lambda i: kd.compact_gpu(ckv, kpe, 100, acc, 16), \
+    L_c, n_c = cuda.to_device(np.array([100], np.int64)), cuda.to_device(np.array([16], np.int32))
+    yield "kv_compact", f"layers={n_layers} n_acc=16", lambda i: kd.compact_gpu(ckv, kpe, L_c, acc, n_c), \
         2 * 16 * n_layers * (Rkv + dr) * 4, 0
 
 

@@ -4,6 +4,7 @@
   shuffles, so every reduction has a shared-memory path; kernels pick it with this flag at import.
 - bf16 weights are stored as ``uint16`` (the top half of the float32 bit pattern) and widened to
   float32 in registers with :func:`bf16_to_f32`; accumulation is always float32.
+- Compiled kernels are cached on disk across runs (:mod:`kdt.kernels.jit_cache`).
 - ``PTX_REGISTRY``: ``register_ptx(kernel, signature)`` records a kernel and one signature that CI
   compiles with ``cuda.compile_ptx(..., cc=(9, 0))`` (tests/test_compile_ptx.py), because the
   simulator checks no types.
@@ -18,6 +19,11 @@ from numba import cuda, int32, uint16, uint32
 from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401  (host side, re-exported)
 
 IS_SIM: bool = bool(_nb_config.ENABLE_CUDASIM)
+
+if not IS_SIM:  # compiled kernels are kept on disk across runs (kdt.kernels.jit_cache)
+    from kdt.kernels import jit_cache
+
+    jit_cache.install()
 
 WARP = 32
 

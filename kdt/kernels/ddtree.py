@@ -25,12 +25,13 @@ rows x (512 + 64) columns. A warp-parallel selection would be the next step for 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int16, int32, int64, uint8
 
-from kdt.kernels.common import WARP, cdiv, register_ptx
+from kdt.kernels.common import IS_SIM, WARP, cdiv, device_scalar, register_ptx
 
 MAX_BUDGET = 512  # largest tree (drafted nodes) tree_build can hold in shared memory
 _CAND_CAP = 2 * MAX_BUDGET + 2  # pushes: 1 + at most 2 per pop
@@ -367,16 +368,19 @@ def _move_column(cache, layer, col, L, accepted, n_acc):
 def kv_compact(
     c_kv,  # [n_layers, max_len, Rkv] in/out
     k_pe,  # [n_layers, max_len, dr] in/out
-    L,  # int64 scalar, committed tokens before the step
+    L_dev,  # [1] int64, committed tokens before the step
     accepted,  # [>= n_acc] int32, increasing node indices starting with 0
-    n_acc,  # int32 scalar, 1 + a
+    n_acc_dev,  # [1] int32, 1 + a
 ):
-    """Compact both caches of every layer: one thread per (layer, column of c_kv ++ k_pe)."""
+    """Compact both caches of every layer: one thread per (layer, column of c_kv ++ k_pe). L and n_acc
+    are read on the device (a CUDA graph of the whole DDTree step replays this launch)."""
     t = cuda.grid(1)
     rkv = c_kv.shape[2]
     w = rkv + k_pe.shape[2]
     if t >= c_kv.shape[0] * w:
         return
+    L = L_dev[0]
+    n_acc = n_acc_dev[0]
     layer = t // w
     col = t - layer * w
     if col < rkv:
@@ -385,7 +389,7 @@ def kv_compact(
         _move_column(k_pe, layer, col - rkv, L, accepted, n_acc)
 
 
-register_ptx(kv_compact, (float32[:, :, ::1], float32[:, :, ::1], int64, _I32_1, int32))
+register_ptx(kv_compact, (float32[:, :, ::1], float32[:, :, ::1], _I64_1, _I32_1, _I32_1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -417,6 +421,138 @@ def stage_tree(
 
 
 register_ptx(stage_tree, (_I64_2, _I64_2, uint8[:, :, ::1], _I32_1, int32, _I64_1, _I64_1, uint8[::1]))
+
+
+# --------------------------------------------------------------------------------------------------
+# the rest of a DDTree step on the device: the drafter's top-k, staging, feature gather, commit
+# --------------------------------------------------------------------------------------------------
+TOPK_MAX_V = 4096  # draft_topk sorts a whole vocabulary row in shared memory (32 KiB)
+_TOPK_NT = 64 if IS_SIM else 512
+
+
+@cuda.jit(device=True, inline="always")
+def _ranks_before(va, ia, vb, ib):
+    """(value va, index ia) sorts before (vb, ib): the larger value, then the smaller index."""
+    return va > vb or (va == vb and ia < ib)
+
+
+@cuda.jit
+def draft_topk(logits, out_tok, out_logp):
+    """logits[D, V] f32 (V <= TOPK_MAX_V) -> per row d the K = out_tok.shape[2] most likely tokens,
+    out_tok[0, d, :K] (int64, descending, ties to the smaller token id: the order of a stable argsort)
+    and their log-probabilities out_logp[0, d, :K] = logit - logsumexp(row) (float32).
+
+    grid = D blocks (one per row); a bitonic sort of the row (padded to a power of two with -inf) in
+    shared memory, then a block reduction of sum(exp(v - max)) (the maximum is the sorted row's head)."""
+    sv = cuda.shared.array(TOPK_MAX_V, float32)
+    si = cuda.shared.array(TOPK_MAX_V, int32)
+    red = cuda.shared.array(_TOPK_NT, float32)
+    d = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    K = out_tok.shape[2]
+    P = 1
+    while P < V:
+        P *= 2
+    for i in range(tid, P, nt):
+        sv[i] = logits[d, i] if i < V else float32(-np.inf)
+        si[i] = i
+    cuda.syncthreads()
+    k = 2
+    while k <= P:
+        j = k // 2
+        while j > 0:
+            for i in range(tid, P, nt):
+                partner = i ^ j
+                if partner > i:
+                    a_first = (i & k) == 0  # this k-run ends up in the requested order at i < partner
+                    if _ranks_before(sv[partner], si[partner], sv[i], si[i]) == a_first:
+                        tv = sv[i]
+                        sv[i] = sv[partner]
+                        sv[partner] = tv
+                        ti = si[i]
+                        si[i] = si[partner]
+                        si[partner] = ti
+            cuda.syncthreads()
+            j //= 2
+        k *= 2
+    top = sv[0]
+    acc = float32(0.0)
+    for i in range(tid, V, nt):
+        acc += math.exp(sv[i] - top)
+    red[tid] = acc
+    cuda.syncthreads()
+    w = nt // 2
+    while w > 0:
+        if tid < w:
+            red[tid] += red[tid + w]
+        cuda.syncthreads()
+        w //= 2
+    lse = top + math.log(red[0])
+    for i in range(tid, K, nt):
+        out_tok[0, d, i] = si[i]
+        out_logp[0, d, i] = sv[i] - lse
+
+
+register_ptx(draft_topk, (float32[:, ::1], int64[:, :, ::1], float32[:, :, ::1]))
+
+
+@cuda.jit
+def stage_rows(L_src, root, tokens, positions, L_out):
+    """The inputs of a forward of ``positions.shape[0]`` rows at the device prefix length L = L_src[0]:
+    positions[i] = L + i, L_out[0] = L, tokens[0] = root[0] (a drafter block: the root, then masks)."""
+    i = cuda.grid(1)
+    L = L_src[0]
+    if i < positions.shape[0]:
+        positions[i] = L + i
+    if i == 0:
+        L_out[0] = L
+        tokens[0] = root[0]
+
+
+register_ptx(stage_rows, (_I64_1, _I64_1, _I64_1, _I64_1, _I64_1))
+
+
+@cuda.jit
+def gather_accepted(feat, accepted, n_acc_dev, out):
+    """out[i, f*D + c] = feat[f, accepted[0, i], c] for the accepted rows i < n_acc, 0 for the rest:
+    the target features [F, M, D] of the accepted nodes as the drafter's context input [B, F*D].
+    grid = B blocks (one per output row)."""
+    i = cuda.blockIdx.x
+    D = feat.shape[2]
+    ok = i < n_acc_dev[0]
+    src = accepted[0, i] if ok else 0
+    for c in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        f = c // D
+        out[i, c] = feat[f, src, c - f * D] if ok else float32(0.0)
+
+
+register_ptx(gather_accepted, (float32[:, :, ::1], _I32_2, _I32_1, float32[:, ::1]))
+
+
+@cuda.jit
+def step_commit(accepted, n_accepted, bonus, choice, L, root, record):
+    """End of a DDTree step on the device: record = [n, choice[accepted[0, 0..n-1]]] (the tokens this
+    step commits, which the host copies back), L += n, root = bonus (the next step's root). One block."""
+    n = n_accepted[0]
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        record[1 + i] = choice[accepted[0, i]]
+    if cuda.threadIdx.x == 0:
+        record[0] = n
+        root[0] = bonus[0]
+        L[0] = L[0] + n
+
+
+register_ptx(step_commit, (_I32_2, _I32_1, _I64_1, _I64_1, _I64_1, _I64_1, _I64_1))
+
+
+def topk_gpu(logits, out_tok, out_logp, stream=0) -> None:
+    """:func:`draft_topk`: logits [D, V] (V <= TOPK_MAX_V) -> out_tok / out_logp [1, D, K]."""
+    D, V = logits.shape
+    if V > TOPK_MAX_V or tuple(out_tok.shape[:2]) != (1, D) or out_tok.shape[2] > V:
+        raise ValueError(f"draft_topk: logits {tuple(logits.shape)} (V <= {TOPK_MAX_V}), out {tuple(out_tok.shape)}")
+    draft_topk[D, _TOPK_NT, stream](logits, out_tok, out_logp)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -473,7 +609,8 @@ def alloc_tree(R: int, nmax: int) -> TreeBuffers:
 
 
 def build_tree_gpu(
-    root_token, draft_tokens, draft_logp, budget: int, L, out: TreeBuffers | None = None, threads: int = 128
+    root_token, draft_tokens, draft_logp, budget: int, L, out: TreeBuffers | None = None, threads: int = 128,
+    stream=0,
 ) -> TreeBuffers:
     """Launch ``tree_build`` for R requests.
 
@@ -497,7 +634,7 @@ def build_tree_gpu(
         raise ValueError(
             f"outputs [{R}, NMAX] need NMAX >= budget + 1 = {budget + 1}, got {out.tokens.shape}"
         )
-    tree_build[R, threads](
+    tree_build[R, threads, stream](
         _dev(root_token, np.int64), _dev(draft_tokens, np.int64), _dev(draft_logp, np.float32),
         np.int32(budget), _dev(L, np.int64), *out,
     )  # fmt: skip
@@ -512,6 +649,7 @@ def accept_gpu(
     n_nodes,
     out: AcceptBuffers | None = None,
     threads: int = 128,
+    stream=0,
 ) -> AcceptBuffers:
     """Launch ``tree_accept``: first_child / next_sibling [R, NMAX] int32, tokens / target_choice
     [R, NMAX] int64, n_nodes [R] int32. Device outputs for device inputs, else numpy."""
@@ -526,26 +664,28 @@ def accept_gpu(
             cuda.device_array((R, nmax), np.int32), cuda.device_array(R, np.int32),
             cuda.device_array(R, np.int64),
         )  # fmt: skip
-    tree_accept[R, threads](
+    tree_accept[R, threads, stream](
         _dev(first_child, np.int32), _dev(next_sibling, np.int32), _dev(tokens, np.int64),
         _dev(target_choice, np.int64), _dev(n_nodes, np.int32), *out,
     )  # fmt: skip
     return _host(out) if host else out
 
 
-def compact_gpu(c_kv, k_pe, L: int, accepted, n_acc: int, threads: int = 256) -> None:
+def compact_gpu(c_kv, k_pe, L, accepted, n_acc, threads: int = 256, stream=0) -> None:
     """Compact ``c_kv [n_layers, max_len, Rkv]`` and ``k_pe [n_layers, max_len, dr]`` in place:
-    slot ``L + accepted[i]`` -> ``L + i`` for ``i < n_acc``. Device caches are updated on the device
-    (no sync); numpy caches are copied in and back."""
+    slot ``L + accepted[i]`` -> ``L + i`` for ``i < n_acc``. ``L`` (int64) and ``n_acc`` (int32) are
+    ints or one-element device arrays (then the launch never depends on them: a CUDA graph can replay
+    it). Device caches are updated on the device (no sync); numpy caches are copied in and back."""
     n_layers, max_len, rkv = c_kv.shape
     if k_pe.shape[:2] != (n_layers, max_len):
         raise ValueError(f"c_kv {c_kv.shape} and k_pe {k_pe.shape} differ in layers / slots")
-    if not 1 <= n_acc <= accepted.shape[0] or L + n_acc > max_len:
-        raise ValueError(f"n_acc={n_acc} must be in [1, {accepted.shape[0]}] and L + n_acc <= {max_len}")
+    if isinstance(L, (int, np.integer)) and isinstance(n_acc, (int, np.integer)):
+        if not 1 <= n_acc <= accepted.shape[0] or L + n_acc > max_len:
+            raise ValueError(f"n_acc={n_acc} must be in [1, {accepted.shape[0]}] and L + n_acc <= {max_len}")
     d_c, d_k = _dev(c_kv, c_kv.dtype), _dev(k_pe, k_pe.dtype)
     total = n_layers * (rkv + k_pe.shape[2])
-    kv_compact[cdiv(total, threads), threads](
-        d_c, d_k, np.int64(L), _dev(accepted, np.int32), np.int32(n_acc)
+    kv_compact[cdiv(total, threads), threads, stream](
+        d_c, d_k, device_scalar(L, np.int64), _dev(accepted, np.int32), device_scalar(n_acc, np.int32)
     )
     if not _is_device(c_kv):
         d_c.copy_to_host(c_kv)

@@ -91,6 +91,7 @@ class GenResult:
     finish_reason: str = "length"  # length | stop | context
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    host_s: float | None = None  # host time of device-program steps (the wait for the GPU excluded)
 
     @property
     def avg_accept(self) -> float:
@@ -128,9 +129,15 @@ def generate(
     keep_logits: bool = False,
     on_tokens: Callable[[list[int]], None] | None = None,
     ops: TreeOps | None = None,
+    device_steps: bool = True,
 ) -> GenResult:
     """Prefill then DDTree steps (``budget`` nodes, depth ``block_size - 1``); ``budget == 0`` or no
-    drafter is plain autoregressive decoding through the very same step."""
+    drafter is plain autoregressive decoding through the very same step.
+
+    ``device_steps``: when the tree ops offer ``device_step`` (the CUDA engine) and decoding is greedy
+    without ``keep_logits``, each step runs as one device program that hands back only the committed
+    tokens (a learned drafter on the same GPU drafts inside it); else the step's stages are separate
+    calls (build, verify, choose, accept, compact)."""
     ops = ops or getattr(target, "tree_ops", None) or TreeOps()
     prompt = np.asarray(prompt, dtype=np.int64)
     P = prompt.shape[0]
@@ -165,6 +172,12 @@ def generate(
     L, last = prefill(target, prompt, drafter if features else None)
     root = int(ops.choose(last[None, :], temperature, rng)[0])
     res.prefill_s = time.perf_counter() - t0
+    fused = None
+    if device_steps and temperature == 0 and not keep_logits and hasattr(ops, "device_step"):
+        fused = ops.device_step(drafter if budget > 0 else None)
+    if fused is not None:
+        fused.start(L, root)
+        res.host_s, host0 = 0.0, fused.host_s
     t0 = time.perf_counter()
     done = max_new <= 0 or emit([root], last[None, :])
     while not done:
@@ -173,6 +186,17 @@ def generate(
             res.finish_reason = "context"
             break
         step_budget = min(budget, room - 1)
+        if fused is not None:  # the whole step on the device; back come the committed tokens
+            draft = None
+            if step_budget > 0 and not fused.drafts_on_device:
+                context = np.concatenate([prompt, np.asarray(res.tokens, dtype=np.int64)])
+                draft = drafter.draft(context, depth, min(step_budget, target.cfg.vocab_size))
+            out = fused.step(step_budget, depth, min(step_budget, target.cfg.vocab_size), draft)
+            L += len(out)
+            res.steps += 1
+            res.accept_lengths.append(len(out))
+            done = emit(out, None)
+            continue
         if step_budget > 0:
             context = np.concatenate([prompt, np.asarray(res.tokens, dtype=np.int64)])
             k = min(step_budget, target.cfg.vocab_size)
@@ -195,6 +219,8 @@ def generate(
         root = int(bonus)
         done = emit([int(t) for t in choice[accepted]], np.asarray(logits)[accepted] if keep_logits else None)
     res.decode_s = time.perf_counter() - t0
+    if fused is not None:
+        res.host_s = fused.host_s - host0
     return res
 
 

@@ -1,0 +1,232 @@
+"""The DDTree steps on the GPU (SPEC section 3) for :class:`kdt.engine.cuda_model.CudaModel`.
+
+Two ways to run a step, same results:
+
+- :class:`CudaTreeOps`: the step as separate calls from the decode loop (tree build, verify, target
+  choice, accept, with the host reading the node count, the choices and the accepted path). Any
+  drafter, greedy or sampled.
+- :class:`StepGraph`: a whole greedy step as one program on the device, replayed from one CUDA graph
+  per (budget, depth, K): [the learned drafter's block and its top-k] -> tree build -> stage ->
+  target forward -> argmax -> accept -> KV compaction -> [the accepted nodes' features into the
+  drafter's context] -> commit (L += 1 + a, the bonus becomes the root). The host uploads a host
+  drafter's draft (two copies) before the launch and copies one record back after it:
+  ``[1 + a, the committed tokens]``. That copy is the step's only synchronisation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from kdt.engine.cuda_model import CudaDraftModel, CudaModel, DeviceLogits, ForwardGraphs
+from kdt.kernels import ddtree as kd
+from kdt.kernels import elementwise as ew
+from kdt.kernels.common import cdiv
+from kdt.reference.decode import TreeOps
+
+_STAGE_THREADS = 256
+
+
+@dataclass
+class GpuTree:
+    """A tree built on the GPU, left there: its arrays are request 0 of ``bufs`` (kernel outputs); the
+    host knows only the node count. Node 0 is the root."""
+
+    bufs: kd.TreeBuffers
+    n: int
+
+
+def stage_tree(tree: kd.TreeBuffers, n: int, model: CudaModel, stream=0) -> None:
+    """The first ``n`` nodes of request 0 of ``tree`` into the model's forward inputs (tokens,
+    positions, the [n, n] visibility block), on the device."""
+    b = model.buf
+    kd.stage_tree[max(1, cdiv(n * n, _STAGE_THREADS)), _STAGE_THREADS, stream](
+        tree.tokens, tree.positions, tree.visibility, tree.n_nodes, np.int32(0), b.tokens, b.positions, b.vis)
+    b.vis_host = None  # b.vis now holds the tree's mask
+
+
+class CudaTreeOps(TreeOps):
+    """DDTree steps with the GPU kernels, the tree never leaving the device: tree_build into persistent
+    buffers, stage_tree into the forward's inputs, argmax, tree_accept on the device choice. Per step
+    the host uploads the draft (two copies) and reads back the node count, the choices and the
+    accepted path. ``device_step(drafter)`` gives the one-program step (:class:`StepGraph`)."""
+
+    def __init__(self, model: CudaModel):
+        self.model = model
+        b = model.buf
+        self.nmax = min(b.M_max, kd.MAX_BUDGET + 1)
+        self.tree = kd.alloc_tree(1, self.nmax)
+        self.root = cuda.device_array(1, np.int64)
+        self.acc = kd.AcceptBuffers(cuda.device_array((1, self.nmax), np.int32), cuda.device_array(1, np.int32),
+                                    cuda.device_array(1, np.int64))
+        self._draft: dict[tuple[int, int], tuple] = {}  # (D, K) -> device draft_tokens, draft_logp
+        self._choice_on_device = False  # the last choose() left its choices in buf.choice (greedy argmax)
+        self._steps: dict[tuple, StepGraph] = {}
+
+    def draft_buffers(self, D: int, K: int) -> tuple:
+        """Persistent device draft arrays [1, D, K] (int64 tokens, float32 log-probs)."""
+        if (D, K) not in self._draft:
+            self._draft[D, K] = (cuda.device_array((1, D, K), np.int64), cuda.device_array((1, D, K), np.float32))
+        return self._draft[D, K]
+
+    def check_budget(self, budget: int) -> None:
+        if budget + 1 > self.nmax:
+            raise ValueError(f"a tree of budget {budget} needs {budget + 1} nodes; this model verifies at most "
+                             f"{self.nmax} tokens per forward (max_tokens)")
+
+    def build(self, root, draft_tokens, draft_logp, budget, L):
+        self.check_budget(budget)
+        dt = np.ascontiguousarray(draft_tokens, np.int64)[None]
+        dl = np.ascontiguousarray(draft_logp, np.float32)[None]
+        d_tok, d_logp = self.draft_buffers(*dt.shape[1:])
+        d_tok.copy_to_device(dt)
+        d_logp.copy_to_device(dl)
+        self.root.copy_to_device(np.array([root], np.int64))
+        b = self.model.buf
+        b.L.copy_to_device(np.array([L], np.int64))
+        kd.build_tree_gpu(self.root, d_tok, d_logp, int(budget), b.L, out=self.tree)
+        return GpuTree(self.tree, int(self.tree.n_nodes.copy_to_host()[0]))
+
+    def verify(self, target, tree, L, hidden_layers=()):
+        if not isinstance(tree, GpuTree):
+            return super().verify(target, tree, L, hidden_layers)
+        m = self.model
+        if hidden_layers:
+            m.set_feature_layers(tuple(hidden_layers))
+        stage_tree(tree.bufs, tree.n, m)
+        m._run(tree.n)
+        logits = DeviceLogits(m.buf.logits[: tree.n])
+        return (logits, m.hidden_rows(tree.n)) if hidden_layers else logits
+
+    def choose(self, logits, temperature, rng):
+        self._choice_on_device = temperature == 0 and isinstance(logits, DeviceLogits)
+        if not self._choice_on_device:  # sampling (or host logits): the choices are made on the host
+            return super().choose(np.asarray(logits), temperature, rng)
+        M = logits.shape[0]
+        out = self.model.buf.choice[:M]
+        ew.argmax_rows(logits.device, out)
+        return out.copy_to_host()
+
+    def accept(self, tree, choice):
+        if not isinstance(tree, GpuTree):
+            return super().accept(tree, choice)
+        t, n = tree.bufs, tree.n
+        if n > 1:
+            b = self.model.buf
+            if not self._choice_on_device:  # host-made choices (sampling): upload them
+                b.choice[:n].copy_to_device(np.ascontiguousarray(choice, np.int64)[:n])
+            ch = b.choice[: self.nmax].reshape(1, self.nmax)
+            kd.accept_gpu(t.first_child, t.next_sibling, t.tokens, ch, t.n_nodes, out=self.acc)
+            row = self.acc.accepted[0].copy_to_host()  # the path, padded with -1: one copy
+            accepted = row[row >= 0].astype(np.int64)
+        else:
+            accepted = np.zeros(1, np.int64)
+        return accepted, int(np.asarray(choice)[accepted[-1]])
+
+    def device_step(self, drafter) -> StepGraph | None:
+        """The one-program greedy step for ``drafter`` (None: autoregressive), cached per drafter and the
+        target's recorded feature layers (the captured programs depend on both). None for a drafter that
+        reads target features but cannot draft inside the program (its context is fed by the host)."""
+        on_device = drafts_on_device(drafter, self.model)
+        if getattr(drafter, "feature_layers", None) and not on_device:
+            return None
+        draft_model = drafter.model if on_device else None
+        key = (id(draft_model), self.model.feature_layers)
+        step = self._steps.get(key)
+        if step is None or step.draft_model is not draft_model:
+            step = self._steps[key] = StepGraph(self, draft_model)
+        step.drafter = drafter
+        return step
+
+
+def drafts_on_device(drafter, model: CudaModel) -> bool:
+    """The learned drafter's block and top-k can run inside the step program: it runs on the GPU beside
+    this target and the vocabulary fits :func:`kdt.kernels.ddtree.draft_topk`."""
+    dm = getattr(drafter, "model", None)
+    return isinstance(dm, CudaDraftModel) and dm.embed_tokens is model.embed_tokens and \
+        model.cfg.vocab_size <= kd.TOPK_MAX_V
+
+
+class StepGraph:
+    """One greedy DDTree step as one device program (see the module docstring), per key
+    ``(budget, D, K)``: budget nodes, D = depth, K candidates per depth; budget 0 is an AR step.
+    ``start(L, root)`` after the prefill; then each ``step`` returns the committed tokens."""
+
+    def __init__(self, ops: CudaTreeOps, draft_model: CudaDraftModel | None):
+        self.ops, self.model, self.draft_model = ops, ops.model, draft_model
+        self.drafter = None
+        n = ops.nmax
+        self.record = cuda.device_array(1 + n, np.int64)  # [1 + a, committed tokens]
+        self.record_host = cuda.pinned_array(1 + n, np.int64)
+        self.graphs = ForwardGraphs(self._program) if self.model.graphs is not None else None
+        self.host_s = 0.0  # host time of the steps (launch, uploads, bookkeeping), the wait excluded
+
+    @property
+    def drafts_on_device(self) -> bool:
+        return self.draft_model is not None
+
+    def start(self, L: int, root: int) -> None:
+        """The device state after the prefill: prefix length L (cache slots [0, L) hold the prompt) and
+        the root (committed, not cached)."""
+        self.model.buf.L.copy_to_device(np.array([L], np.int64))
+        self.ops.root.copy_to_device(np.array([root], np.int64))
+
+    def step(self, budget: int, D: int, K: int, draft=None) -> list[int]:
+        """One step with ``budget`` nodes (0: autoregressive), depth D, K candidates per depth; ``draft``
+        = (tokens [D, K], logp [D, K]) from a host drafter, None when the program drafts (or budget 0)."""
+        t0 = time.perf_counter()
+        if budget > 0:
+            self.ops.check_budget(budget)
+            if draft is None and self.draft_model is None:
+                raise ValueError("this step program does not draft on the device: pass the draft")
+            if draft is not None:
+                D, K = draft[0].shape
+                d_tok, d_logp = self.ops.draft_buffers(D, K)
+                d_tok.copy_to_device(np.ascontiguousarray(draft[0], np.int64)[None])
+                d_logp.copy_to_device(np.ascontiguousarray(draft[1], np.float32)[None])
+            key = (int(budget), int(D), int(K), draft is None)
+        else:
+            key = (0, 1, 1, False)
+        if self.graphs is None:
+            self._program(key)
+        else:
+            self.graphs.run(key)
+        t1 = time.perf_counter()
+        self.record.copy_to_host(self.record_host)  # waits for the step: its only synchronisation
+        t2 = time.perf_counter()
+        n = int(self.record_host[0])
+        tokens = self.record_host[1: 1 + n].tolist()
+        self.model.buf.vis_host = None
+        if key[3]:  # the drafter's context now holds the accepted nodes' rows
+            self.drafter.committed += n
+        self.host_s += (t1 - t0) + (time.perf_counter() - t2)
+        return tokens
+
+    def _program(self, key: tuple, stream=0) -> None:
+        budget, D, K, device_draft = key
+        m, ops, s = self.model, self.ops, stream
+        b, t, acc = m.buf, ops.tree, ops.acc
+        d_tok, d_logp = ops.draft_buffers(D, K)
+        dm = self.draft_model if device_draft else None
+        if dm is not None:  # the drafter's block at the target's L, and its top-K per depth
+            B, db = dm.dcfg.block_size, dm.buf
+            kd.stage_rows[1, B, s](b.L, ops.root, db.tokens, db.positions[:B], db.L)
+            dm.block_program(s)
+            kd.topk_gpu(db.logits[:D], d_tok, d_logp, stream=s)
+        kd.build_tree_gpu(ops.root, d_tok, d_logp, budget, b.L, out=t, stream=s)
+        n = min(budget, D * K) + 1  # best-first search pops every reachable candidate up to the budget
+        stage_tree(t, n, m, s)
+        m._program(n, s)
+        ew.argmax_rows(b.logits[:n], b.choice[:n], stream=s)
+        kd.accept_gpu(t.first_child, t.next_sibling, t.tokens, b.choice[: ops.nmax].reshape(1, ops.nmax),
+                      t.n_nodes, out=acc, stream=s)
+        kd.compact_gpu(m.c_kv, m.k_pe, b.L, acc.accepted[0], acc.n_accepted, stream=s)
+        if dm is not None:  # the accepted nodes' features -> the drafter's rows [L, L + B) (extra rows: 0)
+            kd.stage_rows[1, B, s](b.L, ops.root, db.tokens, db.positions[:B], db.L)
+            kd.gather_accepted[B, 128, s](m.feat, acc.accepted, acc.n_accepted, dm.feat_in[:B])
+        kd.step_commit[1, 128, s](acc.accepted, acc.n_accepted, acc.bonus, b.choice, b.L, ops.root, self.record)
+        if dm is not None:
+            dm.context_program(B, dm.vis_causal, s)
