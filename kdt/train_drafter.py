@@ -402,7 +402,7 @@ def acceptance_table(fixture, eval_stream: np.ndarray, budgets=(16, 64, 256), pr
     for name, kind, budget in runs:
         # warm-up of this configuration (JIT compilation, CUDA graph capture): not part of the timings
         generate(target, windows[0], 2 * B, drafter=drafter(kind), budget=budget, block_size=B)
-        acc, steps, n_tok, secs = [], 0, 0, 0.0
+        acc, steps, n_tok, secs, host = [], 0, 0, 0.0, 0.0
         for i, prompt in enumerate(windows):
             res = generate(target, prompt, new_tokens, drafter=drafter(kind), budget=budget, block_size=B)
             if kind is None:
@@ -413,9 +413,12 @@ def acceptance_table(fixture, eval_stream: np.ndarray, budgets=(16, 64, 256), pr
             steps += res.steps
             n_tok += len(res.tokens)
             secs += res.decode_s
+            host += res.host_s or 0.0
         row = {"drafter": name, "budget": budget, "block_size": B, "avg_accept": round(float(np.mean(acc)), 3),
-               "steps": steps, "tokens": n_tok, "tokens_per_s": round(n_tok / secs, 2)}
+               "steps": steps, "tokens": n_tok, "tokens_per_s": round(n_tok / secs, 2),
+               # host time of the one-program device steps (None: the host runs the steps itself, CPU)
+               "host_us_per_step": round(host / steps * 1e6, 1) if host else None}
         rows.append(row)
         log(f"  {name:14s} budget {budget:4d}: acceptance {row['avg_accept']:.2f} per step, "
-            f"{row['tokens_per_s']:.1f} tokens/s")
+            f"{row['tokens_per_s']:.1f} tokens/s" + (f", host {row['host_us_per_step']:.0f} us/step" if host else ""))
     return rows

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|drafter
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -62,12 +62,22 @@ step)  # the one-program DDTree step, the on-disk kernel cache (a fresh one: fir
     --json "$OUT/bench-$day-tiny.json"
   step drafter_cuda 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
+final)  # the engine after issue 7/8 changes: gpu tests, verify with the learned drafter, both benches, drafter table
+  step verify_code_cuda 120 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step pytest_gpu_step 150 python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_ddtree_kernels.py \
+    -k "not parity and not max_budget" -p no:cacheprovider --durations=8
+  step bench_tiny 80 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny.json"
+  step drafter_cuda 80 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json"
+  step bench_moonlight 300 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json" ;;
 drafter)  # the learned drafter on the GPU: its gpu tests, then its acceptance table on the CUDA backend
   step pytest_gpu_drafter 240 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -k "learned or draft" \
     -p no:cacheprovider
   step drafter_cuda 300 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|drafter"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -21,7 +21,7 @@ from kdt.kernels.ddtree import (
     build_tree_gpu,
     compact_gpu,
     gather_accepted,
-    stage_rows,
+    stage_draft,
     stage_tree,
     step_commit,
     topk_gpu,
@@ -330,20 +330,39 @@ def test_topk_validates():
 
 
 @pytest.mark.kernels
-def test_stage_rows_and_gather_accepted(rng):
-    """stage_rows: positions L + i, L, tokens[0] = root; gather_accepted: the accepted rows of every
-    feature layer side by side, zeros after n_acc."""
-    L, root, B = 11, 42, 5
-    tokens, positions, L_out = (cuda.to_device(poisoned(n, np.int64)) for n in (B, B, 1))
-    stage_rows[1, B](cuda.to_device(np.array([L], np.int64)), cuda.to_device(np.array([root], np.int64)),
-                     tokens, positions, L_out)
-    np.testing.assert_array_equal(positions.copy_to_host(), L + np.arange(B))
-    assert L_out.copy_to_host()[0] == L and tokens.copy_to_host()[0] == root
-    F, M, D = 3, 9, 6
-    feat = rng.standard_normal((F, M, D)).astype(np.float32)
+def test_stage_draft_and_gather_accepted(rng):
+    """stage_draft: B context rows (n_ctx valid) at L_ctx + i, then the block at L + j, the [2B, 2B]
+    mask (context causal, the block sees the valid context and itself); without the block, the context
+    rows only. gather_accepted: the accepted rows of every feature layer side by side, zeros after
+    n_acc, and the next context's count and first position."""
+    B, L_ctx, n_ctx, L, root = 4, 9, 2, 11, 42
+    dev = cuda.to_device
+    for with_block in (1, 0):
+        M = 2 * B if with_block else B
+        tokens, positions, L_out = (dev(poisoned(n, np.int64)) for n in (2 * B, 2 * B, 1))
+        vis = dev(np.full(4 * B * B, 0xAB, np.uint8))
+        stage_draft[4, 32](dev(np.array([L_ctx], np.int64)), dev(np.array([n_ctx], np.int32)),
+                           dev(np.array([L], np.int64)), dev(np.array([root], np.int64)), np.int32(B),
+                           np.int32(with_block), tokens, positions, L_out, vis)
+        want_pos = np.concatenate([L_ctx + np.arange(B), L + np.arange(B)])[:M]
+        np.testing.assert_array_equal(positions.copy_to_host()[:M], want_pos)
+        assert (positions.copy_to_host()[M:] == -7777).all() and L_out.copy_to_host()[0] == L_ctx
+        if with_block:
+            assert tokens.copy_to_host()[B] == root
+            want = np.zeros((M, M), np.uint8)
+            want[:B, :B] = np.tril(np.ones((B, B), np.uint8))
+            want[B:, :n_ctx] = 1
+            want[B:, B:] = 1
+            np.testing.assert_array_equal(vis.copy_to_host().reshape(M, M), want)
+        else:
+            assert (tokens.copy_to_host() == -7777).all() and (vis.copy_to_host() == 0xAB).all()
+    F, Mx, D = 3, 9, 6
+    feat = rng.standard_normal((F, Mx, D)).astype(np.float32)
     accepted = np.array([[0, 2, 5, -1, -1, -1]], np.int32)
-    out = cuda.to_device(poisoned((B, F * D)))
-    gather_accepted[B, 8](cuda.to_device(feat), cuda.to_device(accepted), cuda.to_device(np.array([3], np.int32)), out)
+    out, n_out, L_out = dev(poisoned((B, F * D))), dev(poisoned(1, np.int32)), dev(poisoned(1, np.int64))
+    gather_accepted[B, 8](dev(feat), dev(accepted), dev(np.array([3], np.int32)), dev(np.array([L], np.int64)),
+                          out, n_out, L_out)
     want = np.zeros((B, F * D), np.float32)
     want[:3] = np.concatenate([feat[f][[0, 2, 5]] for f in range(F)], axis=1)
     np.testing.assert_array_equal(out.copy_to_host(), want)
+    assert n_out.copy_to_host()[0] == 3 and L_out.copy_to_host()[0] == L

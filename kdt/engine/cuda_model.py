@@ -426,17 +426,22 @@ class CudaDraftModel(DecoderStack):
         dcfg.validate(target.cfg)
         self.dcfg, B, D = dcfg, dcfg.block_size, target.cfg.hidden_size
         src = HostWeights(weights, np.float32)  # stored float32
-        super().__init__(dcfg.stack_config(target.cfg), src, int(max_len or target.max_len) + B, max(B, max_tokens))
+        super().__init__(dcfg.stack_config(target.cfg), src, int(max_len or target.max_len) + 2 * B,
+                         max(2 * B, max_tokens))
         self.fc, self.hidden_norm = src.matrix("fc.weight"), src.vector("hidden_norm.weight")
         self.norm = src.vector("model.norm.weight")
         mask = np.asarray(weights["mask_embedding"], np.float32)
         self.mask_rows = cuda.to_device(np.ascontiguousarray(np.broadcast_to(mask, (B - 1, D))))
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
         self.feat_in = cuda.device_array((self.M_max, len(dcfg.target_layers) * D), np.float32)
-        # the block attends to the whole block (non-causal); the device DDTree step's context rows, B
-        # of them (the accepted ones first), causally
+        # the block attends to the whole block (non-causal); B padded context rows attend causally
         self.vis_block = cuda.to_device(np.ones((B, B), np.uint8))
         self.vis_causal = cuda.to_device(np.tril(np.ones((B, B), np.uint8)))
+        # the device DDTree step (kdt.engine.cuda_step): pending context rows feat_in[:B] (n_ctx valid,
+        # from position L_ctx) go through the stack in one forward with the next block, mask vis_step
+        self.n_ctx = cuda.to_device(np.zeros(1, np.int32))
+        self.L_ctx = cuda.to_device(np.zeros(1, np.int64))
+        self.vis_step = cuda.device_array(4 * B * B, np.uint8)
         self.graphs = ForwardGraphs(self._program) if not IS_SIM else None
 
     def add_context(self, features: np.ndarray, start: int) -> None:
@@ -467,6 +472,19 @@ class CudaDraftModel(DecoderStack):
         linear(self.feat_in[:m], self.fc, b.x[:m], stream=s)
         ew.rmsnorm(b.x[:m], self.hidden_norm, eps, b.x[:m], stream=s)
         self._layers(m, s, vis)
+
+    def step_program(self, stream=0) -> None:
+        """2B rows in one forward: B pending context rows (slots [L, L + B), causal), then the block
+        (slots [L + B, L + 2B), positions from the root's) -> logits[:B-1] of depths 1..B-1. Inputs
+        staged on the device by :func:`kdt.kernels.ddtree.stage_draft` (mask ``vis_step``)."""
+        b, eps, s, B = self.buf, self.cfg.rms_norm_eps, stream, self.dcfg.block_size
+        linear(self.feat_in[:B], self.fc, b.x[:B], stream=s)
+        ew.rmsnorm(b.x[:B], self.hidden_norm, eps, b.x[:B], stream=s)
+        ew.embedding(b.tokens[B: B + 1], self.embed_tokens, b.x[B: B + 1], stream=s)
+        ew.copy(self.mask_rows, b.x[B + 1: 2 * B], stream=s)
+        self._layers(2 * B, s, self.vis_step.reshape(2 * B, 2 * B))
+        ew.rmsnorm(b.x[B + 1: 2 * B], self.norm, eps, b.a[B + 1: 2 * B], stream=s)
+        linear(b.a[B + 1: 2 * B], self.lm_head, b.logits[: B - 1], stream=s)
 
     def block_program(self, stream=0) -> None:
         """The block [embed(root), mask x (B-1)] at positions [L, L + B) -> logits[:B-1] of depths 1..B-1."""

@@ -7,8 +7,9 @@ Two ways to run a step, same results:
   drafter, greedy or sampled.
 - :class:`StepGraph`: a whole greedy step as one program on the device, replayed from one CUDA graph
   per (budget, depth, K): [the learned drafter's block and its top-k] -> tree build -> stage ->
-  target forward -> argmax -> accept -> KV compaction -> [the accepted nodes' features into the
-  drafter's context] -> commit (L += 1 + a, the bonus becomes the root). The host uploads a host
+  target forward -> argmax -> accept -> KV compaction -> [the accepted nodes' features, the drafter's
+  next context rows] -> commit (L += 1 + a, the bonus becomes the root). The drafter runs once per
+  step: the previous step's context rows and this step's block in one forward of 2B rows. The host uploads a host
   drafter's draft (two copies) before the launch and copies one record back after it:
   ``[1 + a, the committed tokens]``. That copy is the step's only synchronisation.
 """
@@ -62,15 +63,28 @@ class CudaTreeOps(TreeOps):
         self.root = cuda.device_array(1, np.int64)
         self.acc = kd.AcceptBuffers(cuda.device_array((1, self.nmax), np.int32), cuda.device_array(1, np.int32),
                                     cuda.device_array(1, np.int64))
-        self._draft: dict[tuple[int, int], tuple] = {}  # (D, K) -> device draft_tokens, draft_logp
+        self._draft: dict[tuple[int, int], tuple] = {}  # (D, K) -> device draft tokens, logp; pinned twins
         self._choice_on_device = False  # the last choose() left its choices in buf.choice (greedy argmax)
         self._steps: dict[tuple, StepGraph] = {}
 
     def draft_buffers(self, D: int, K: int) -> tuple:
         """Persistent device draft arrays [1, D, K] (int64 tokens, float32 log-probs)."""
+        return self._draft_arrays(D, K)[:2]
+
+    def _draft_arrays(self, D: int, K: int) -> tuple:
         if (D, K) not in self._draft:
-            self._draft[D, K] = (cuda.device_array((1, D, K), np.int64), cuda.device_array((1, D, K), np.float32))
+            shape = (1, D, K)
+            self._draft[D, K] = (cuda.device_array(shape, np.int64), cuda.device_array(shape, np.float32),
+                                 cuda.pinned_array(shape, np.int64), cuda.pinned_array(shape, np.float32))
         return self._draft[D, K]
+
+    def upload_draft(self, draft_tokens, draft_logp) -> tuple:
+        """A host draft [D, K] into the persistent device arrays, through pinned buffers (fast copies)."""
+        d_tok, d_logp, h_tok, h_logp = self._draft_arrays(*np.shape(draft_tokens))
+        h_tok[0], h_logp[0] = draft_tokens, draft_logp
+        d_tok.copy_to_device(h_tok)
+        d_logp.copy_to_device(h_logp)
+        return d_tok, d_logp
 
     def check_budget(self, budget: int) -> None:
         if budget + 1 > self.nmax:
@@ -79,11 +93,7 @@ class CudaTreeOps(TreeOps):
 
     def build(self, root, draft_tokens, draft_logp, budget, L):
         self.check_budget(budget)
-        dt = np.ascontiguousarray(draft_tokens, np.int64)[None]
-        dl = np.ascontiguousarray(draft_logp, np.float32)[None]
-        d_tok, d_logp = self.draft_buffers(*dt.shape[1:])
-        d_tok.copy_to_device(dt)
-        d_logp.copy_to_device(dl)
+        d_tok, d_logp = self.upload_draft(draft_tokens, draft_logp)
         self.root.copy_to_device(np.array([root], np.int64))
         b = self.model.buf
         b.L.copy_to_device(np.array([L], np.int64))
@@ -173,6 +183,9 @@ class StepGraph:
         the root (committed, not cached)."""
         self.model.buf.L.copy_to_device(np.array([L], np.int64))
         self.ops.root.copy_to_device(np.array([root], np.int64))
+        if self.draft_model is not None:  # its context holds [0, L) (the prefill's rows): none pending
+            self.draft_model.n_ctx.copy_to_device(np.zeros(1, np.int32))
+            self.draft_model.L_ctx.copy_to_device(np.array([L], np.int64))
 
     def step(self, budget: int, D: int, K: int, draft=None) -> list[int]:
         """One step with ``budget`` nodes (0: autoregressive), depth D, K candidates per depth; ``draft``
@@ -184,9 +197,7 @@ class StepGraph:
                 raise ValueError("this step program does not draft on the device: pass the draft")
             if draft is not None:
                 D, K = draft[0].shape
-                d_tok, d_logp = self.ops.draft_buffers(D, K)
-                d_tok.copy_to_device(np.ascontiguousarray(draft[0], np.int64)[None])
-                d_logp.copy_to_device(np.ascontiguousarray(draft[1], np.float32)[None])
+                self.ops.upload_draft(*draft)
             key = (int(budget), int(D), int(K), draft is None)
         else:
             key = (0, 1, 1, False)
@@ -200,10 +211,21 @@ class StepGraph:
         n = int(self.record_host[0])
         tokens = self.record_host[1: 1 + n].tolist()
         self.model.buf.vis_host = None
-        if key[3]:  # the drafter's context now holds the accepted nodes' rows
-            self.drafter.committed += n
         self.host_s += (t1 - t0) + (time.perf_counter() - t2)
         return tokens
+
+    def finish(self, L: int) -> None:
+        """After the last step: the drafter's pending context rows (the last step's accepted nodes) into
+        its cache, so that its state equals the separate-calls path's (context [0, L))."""
+        dm = self.draft_model
+        if dm is None or self.drafter is None or int(dm.n_ctx.copy_to_host()[0]) == 0:
+            return
+        B, db = dm.dcfg.block_size, dm.buf
+        kd.stage_draft[1, B](dm.L_ctx, dm.n_ctx, self.model.buf.L, self.ops.root, np.int32(B), np.int32(0),
+                             db.tokens, db.positions, db.L, dm.vis_step)
+        dm.context_program(B, dm.vis_causal)
+        dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
+        self.drafter.committed = L
 
     def _program(self, key: tuple, stream=0) -> None:
         budget, D, K, device_draft = key
@@ -211,10 +233,12 @@ class StepGraph:
         b, t, acc = m.buf, ops.tree, ops.acc
         d_tok, d_logp = ops.draft_buffers(D, K)
         dm = self.draft_model if device_draft else None
-        if dm is not None:  # the drafter's block at the target's L, and its top-K per depth
+        if dm is not None:  # the drafter: last step's context rows + this root's block, then top-K per depth
             B, db = dm.dcfg.block_size, dm.buf
-            kd.stage_rows[1, B, s](b.L, ops.root, db.tokens, db.positions[:B], db.L)
-            dm.block_program(s)
+            kd.stage_draft[cdiv(4 * B * B, _STAGE_THREADS), _STAGE_THREADS, s](
+                dm.L_ctx, dm.n_ctx, b.L, ops.root, np.int32(B), np.int32(1), db.tokens, db.positions, db.L,
+                dm.vis_step)
+            dm.step_program(s)
             kd.topk_gpu(db.logits[:D], d_tok, d_logp, stream=s)
         kd.build_tree_gpu(ops.root, d_tok, d_logp, budget, b.L, out=t, stream=s)
         n = min(budget, D * K) + 1  # best-first search pops every reachable candidate up to the budget
@@ -224,9 +248,7 @@ class StepGraph:
         kd.accept_gpu(t.first_child, t.next_sibling, t.tokens, b.choice[: ops.nmax].reshape(1, ops.nmax),
                       t.n_nodes, out=acc, stream=s)
         kd.compact_gpu(m.c_kv, m.k_pe, b.L, acc.accepted[0], acc.n_accepted, stream=s)
-        if dm is not None:  # the accepted nodes' features -> the drafter's rows [L, L + B) (extra rows: 0)
-            kd.stage_rows[1, B, s](b.L, ops.root, db.tokens, db.positions[:B], db.L)
-            kd.gather_accepted[B, 128, s](m.feat, acc.accepted, acc.n_accepted, dm.feat_in[:B])
+        if dm is not None:  # the accepted nodes' features: the drafter's context rows of the next step
+            kd.gather_accepted[B, 128, s](m.feat, acc.accepted, acc.n_accepted, b.L, dm.feat_in[:B], dm.n_ctx,
+                                          dm.L_ctx)
         kd.step_commit[1, 128, s](acc.accepted, acc.n_accepted, acc.bonus, b.choice, b.L, ops.root, self.record)
-        if dm is not None:
-            dm.context_program(B, dm.vis_causal, s)

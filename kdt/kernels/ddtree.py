@@ -499,36 +499,52 @@ register_ptx(draft_topk, (float32[:, ::1], int64[:, :, ::1], float32[:, :, ::1])
 
 
 @cuda.jit
-def stage_rows(L_src, root, tokens, positions, L_out):
-    """The inputs of a forward of ``positions.shape[0]`` rows at the device prefix length L = L_src[0]:
-    positions[i] = L + i, L_out[0] = L, tokens[0] = root[0] (a drafter block: the root, then masks)."""
-    i = cuda.grid(1)
-    L = L_src[0]
-    if i < positions.shape[0]:
-        positions[i] = L + i
-    if i == 0:
-        L_out[0] = L
-        tokens[0] = root[0]
+def stage_draft(L_ctx, n_ctx, L_target, root, B, with_block, tokens, positions, L_out, vis):
+    """The learned drafter's rows in a device DDTree step. B context rows: the previous step's accepted
+    nodes (n_ctx[0] of them valid, the rest padding) at positions L_ctx[0] + i; with ``with_block``,
+    then the block [root, mask x (B-1)] at positions L + j (L = L_target[0], the root's position).
+    Writes positions[:B or 2B], L_out[0] = L_ctx[0] (the rows' cache slots follow it), tokens[B] =
+    root, and with the block the [2B, 2B] mask vis: context rows causal among themselves; block rows
+    see the valid context rows and the whole block. One thread per element of the mask."""
+    t = cuda.grid(1)
+    Lc = L_ctx[0]
+    M = 2 * B if with_block else B
+    if t < M:
+        positions[t] = Lc + t if t < B else L_target[0] + (t - B)
+    if t == 0:
+        L_out[0] = Lc
+        if with_block:
+            tokens[B] = root[0]
+    if with_block and t < M * M:
+        i = t // M
+        j = t - i * M
+        see = j <= i if i < B else (j < n_ctx[0] or j >= B)
+        vis[t] = 1 if see else 0
 
 
-register_ptx(stage_rows, (_I64_1, _I64_1, _I64_1, _I64_1, _I64_1))
+register_ptx(stage_draft, (_I64_1, _I32_1, _I64_1, _I64_1, int32, int32, _I64_1, _I64_1, _I64_1, uint8[::1]))
 
 
 @cuda.jit
-def gather_accepted(feat, accepted, n_acc_dev, out):
+def gather_accepted(feat, accepted, n_acc_dev, L_target, out, n_ctx, L_ctx):
     """out[i, f*D + c] = feat[f, accepted[0, i], c] for the accepted rows i < n_acc, 0 for the rest:
-    the target features [F, M, D] of the accepted nodes as the drafter's context input [B, F*D].
+    the target features [F, M, D] of the accepted nodes as the drafter's next context rows [B, F*D];
+    n_ctx[0] = n_acc and L_ctx[0] = L (their first position; run before the commit moves L).
     grid = B blocks (one per output row)."""
     i = cuda.blockIdx.x
     D = feat.shape[2]
-    ok = i < n_acc_dev[0]
+    n = n_acc_dev[0]
+    ok = i < n
     src = accepted[0, i] if ok else 0
     for c in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
         f = c // D
         out[i, c] = feat[f, src, c - f * D] if ok else float32(0.0)
+    if i == 0 and cuda.threadIdx.x == 0:
+        n_ctx[0] = n
+        L_ctx[0] = L_target[0]
 
 
-register_ptx(gather_accepted, (float32[:, :, ::1], _I32_2, _I32_1, float32[:, ::1]))
+register_ptx(gather_accepted, (float32[:, :, ::1], _I32_2, _I32_1, _I64_1, float32[:, ::1], _I32_1, _I64_1))
 
 
 @cuda.jit

@@ -221,6 +221,7 @@ def generate(
     res.decode_s = time.perf_counter() - t0
     if fused is not None:
         res.host_s = fused.host_s - host0
+        fused.finish(L)
     return res
 
 
