@@ -1,0 +1,73 @@
+"""Where the host time of a one-program DDTree step goes (run on a GPU; not a test, not a benchmark).
+
+    python scripts/profile_step.py [fixtures/model_tiny.h5]
+
+Wraps the pieces of ``StepGraph.step`` (draft upload, graph launch, the copy back that waits for the
+GPU) and the drafter's ``draft`` with timers and prints microseconds per step for AR, the oracle at
+budget 64 and the oracle chain.
+"""
+
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from kdt.drafters import OracleDrafter
+from kdt.engine import load_target
+from kdt.fixture import read_fixture
+from kdt.reference.decode import ar_generate, generate
+
+
+def timed(acc, name, fn):
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        acc[name] += time.perf_counter() - t0
+        return out
+    return wrapper
+
+
+class TimedCopy:
+    """The step's record array, its copy back (which waits for the GPU) timed."""
+
+    def __init__(self, array, acc):
+        self.array, self.acc = array, acc
+
+    def copy_to_host(self, out):
+        t0 = time.perf_counter()
+        self.array.copy_to_host(out)
+        self.acc["copy back (wait)"] += time.perf_counter() - t0
+
+
+def main(path="fixtures/model_tiny.h5"):
+    fx = read_fixture(path)
+    cfg, V = fx.config, fx.config.vocab_size
+    target = load_target(cfg, fx.weights, "cuda", "float32", 512, max_tokens=256)
+    prompt = np.arange(64) % V
+    ar = ar_generate(target, prompt, 64)
+    seq = np.concatenate([prompt, ar.tokens, np.zeros(64, np.int64)])
+    for name, budget in (("AR", 0), ("oracle b64", 64), ("oracle chain", 7)):
+        d = OracleDrafter(seq, V) if budget else None
+        generate(target, prompt, 64, drafter=d, budget=budget, block_size=8)  # warm-up: graphs captured
+        d = OracleDrafter(seq, V) if budget else None
+        step = target.tree_ops.device_step(d)
+        acc = defaultdict(float)
+        ops = target.tree_ops
+        saved = ops.upload_draft, step.graphs.run, step.record
+        ops.upload_draft = timed(acc, "upload draft", ops.upload_draft)
+        step.graphs.run = timed(acc, "graph launch", step.graphs.run)
+        step.record = TimedCopy(step.record, acc)
+        if d is not None:
+            d.draft = timed(acc, "drafter.draft (host)", d.draft)
+        t0 = time.perf_counter()
+        res = generate(target, prompt, 64, drafter=d, budget=budget, block_size=8)
+        wall = time.perf_counter() - t0
+        ops.upload_draft, step.graphs.run, step.record = saved
+        n = res.steps
+        parts = ", ".join(f"{k} {v / n * 1e6:.0f}" for k, v in acc.items())
+        print(f"{name}: {n} steps, {wall / n * 1e6:.0f} us/step wall, host_s {res.host_s / n * 1e6:.0f} us; {parts}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
