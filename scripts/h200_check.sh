@@ -71,7 +71,8 @@ final)  # the engine after issue 7/8 changes: gpu tests, verify with the learned
   step drafter_cuda 80 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json"
   step bench_moonlight 300 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
-    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json" ;;
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json"
+  step profile_step 60 python3 scripts/profile_step.py ;;
 drafter)  # the learned drafter on the GPU: its gpu tests, then its acceptance table on the CUDA backend
   step pytest_gpu_drafter 240 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -k "learned or draft" \
     -p no:cacheprovider

@@ -1,5 +1,5 @@
-"""Parity of kdt.kernels.linear (skinny and tiled-GEMM paths, float32 and bf16 weights, accumulate)
-against kdt.reference.ops.linear computed in float64.
+"""Parity of kdt.kernels.linear (v1: skinny and tiled-GEMM paths; v2: register-tiled split-K kernel;
+float32 and bf16 weights, accumulate) against kdt.reference.ops.linear computed in float64.
 
 Bounds: float32 weights -> rel_err < 1e-5 against the float64 reference (fp32 accumulation over
 K <= 16384 lands near 1e-7 .. 1e-6). bf16 weights -> rel_err < 1e-5 against the float64 reference on
@@ -8,6 +8,8 @@ unrounded float32 weights (bf16 rounding: ~3e-3 relative per weight).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -32,13 +34,15 @@ def _weights(rng, N, K, wdtype):
     return W, W.astype(np.float64), W.astype(np.float64)
 
 
-def _check(rng, M, W_store, W_seen, W_fp32, accumulate, d_W=None):
+def _check(rng, M, W_store, W_seen, W_fp32, accumulate, d_W=None, fn=None):
+    """Run ``fn`` (default :func:`lin.linear`) on fresh x (and y when accumulating; else NaN-poisoned y)
+    and check it against the float64 reference; returns (rel_err, output)."""
     N, K = W_seen.shape
     x = rng.standard_normal((M, K)).astype(np.float32)
     y0 = rng.standard_normal((M, N)).astype(np.float32) if accumulate else poisoned((M, N))
     d_y = cuda.to_device(y0)
     d_W = d_W if d_W is not None else cuda.to_device(W_store)
-    lin.linear(cuda.to_device(x), d_W, d_y, accumulate=accumulate)
+    (fn or lin.linear)(cuda.to_device(x), d_W, d_y, accumulate=accumulate)
     out = d_y.copy_to_host()
     base = y0.astype(np.float64) if accumulate else 0.0
     ref = linear_ref(x.astype(np.float64), W_seen) + base
@@ -50,7 +54,14 @@ def _check(rng, M, W_store, W_seen, W_fp32, accumulate, d_W=None):
         assert err < BF16_VS_ROUNDED, f"{tag}: rel_err vs bf16-rounded weights {err:.3g}"
         err32 = rel_err(out, linear_ref(x.astype(np.float64), W_fp32) + base)
         assert err32 < BF16_VS_FP32, f"{tag}: rel_err vs fp32 weights {err32:.3g}"
-    return err
+    return err, out
+
+
+@pytest.fixture(params=["1", "2"])
+def version(request, monkeypatch):
+    """Run the test with linear() dispatching to v1 (skinny / wide) and to v2."""
+    monkeypatch.setattr(lin, "VERSION", request.param)
+    return request.param
 
 
 # ---- simulator: tiny shapes, N and K off every tile / vector width -----------------------------------
@@ -69,7 +80,7 @@ def _check(rng, M, W_store, W_seen, W_fp32, accumulate, d_W=None):
         (70, 37, 70, "bf16", False),
     ],
 )
-def test_linear_sim(rng, M, N, K, wdtype, accumulate):
+def test_linear_sim(rng, version, M, N, K, wdtype, accumulate):
     if M <= lin.SKINNY_MAX_M:
         assert lin._skinny_config(M, N)[0] == (1 if M == 1 else 4 if M <= 4 else 8)
     assert (M > lin.SKINNY_MAX_M) == (M == 70), "the wide case must take the tiled GEMM path"
@@ -78,13 +89,90 @@ def test_linear_sim(rng, M, N, K, wdtype, accumulate):
 
 
 @pytest.mark.kernels
-def test_linear_noncontiguous_bf16_weight(rng):
+def test_linear_noncontiguous_bf16_weight(rng, version):
     """A bf16 weight that is a column slice (not C-contiguous) falls back to uint16 loads."""
     N, K, M = 21, 40, 2
     W_store, W_seen, W_fp32 = _weights(rng, N, K + 6, "bf16")
     d_W = cuda.to_device(W_store)[:, :K]
     assert not d_W.is_c_contiguous()
     _check(rng, M, W_store[:, :K], W_seen[:, :K], W_fp32[:, :K], True, d_W=d_W)
+
+
+# ---- v2 (simulator): every token tile, K-splits, partial / full staged chunks ----------------------------
+# XS chunk in the simulator: V2_KCW = 64 words (2 warps stage 64 words per pass), so K = 300 (bf16: 150
+# words) spans two full chunks and a partial one; K odd -> uint16 words (PACK 1), K even -> bf16 pairs.
+V2_SIM_CASES = [  # (M, N, K, wdtype, accumulate, tm, splits)
+    (1, 37, 300, "bf16", False, 1, 1),
+    (1, 37, 300, "f32", True, 1, 3),
+    (2, 21, 130, "bf16", True, 2, 2),  # TM 2 (only when asked for), one full chunk + a partial one
+    (3, 37, 70, "f32", False, None, None),  # default plan: TM 4
+    (3, 37, 301, "bf16", True, 4, 3),  # odd K: uint16 words, three splits of unequal length
+    (7, 40, 300, "bf16", False, 8, 2),
+    (8, 17, 200, "f32", True, 8, 1),
+    (17, 37, 300, "bf16", True, 16, 3),  # two token tiles, the second one partial
+    (20, 33, 128, "f32", False, 16, 2),  # each split exactly one full chunk (fast staging only)
+    (33, 20, 71, "bf16", False, None, None),  # default plan: TM 8 (5 tiles)
+]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,N,K,wdtype,accumulate,tm,splits", V2_SIM_CASES)
+def test_linear_v2_sim(rng, M, N, K, wdtype, accumulate, tm, splits):
+    W_store, W_seen, W_fp32 = _weights(rng, N, K, wdtype)
+    Kw = K // 2 if (wdtype == "bf16" and K % 2 == 0) else K
+    TM, NR, U, warps, S, ks = lin._v2_plan(M, N, Kw, lin._device()[1], tm, splits)
+    if splits is not None:
+        assert S == splits, f"the case must really run {splits} K-splits (got {S}, {ks} words each)"
+    _check(rng, M, W_store, W_seen, W_fp32, accumulate, fn=functools.partial(lin.linear_v2, tm=tm, splits=splits))
+
+
+@pytest.mark.kernels
+def test_linear_v2_split_deterministic_and_scratch_reused(rng):
+    """K-split partial sums are reduced in a fixed order: two runs give identical bits; the second call
+    of a shape allocates no new scratch (what CUDA-graph capture needs)."""
+    M, N, K = 5, 24, 300
+    W_store, W_seen, W_fp32 = _weights(rng, N, K, "bf16")
+    d_W = cuda.to_device(W_store)
+    x = cuda.to_device(rng.standard_normal((M, K)).astype(np.float32))
+    outs = []
+    for _ in range(2):
+        d_y = cuda.to_device(poisoned((M, N)))
+        lin.linear_v2(x, d_W, d_y, splits=3)
+        outs.append(d_y.copy_to_host())
+        n_scratch = len(lin._SCRATCH)
+    assert len(lin._SCRATCH) == n_scratch
+    assert np.array_equal(outs[0], outs[1])
+    assert rel_err(outs[0], linear_ref(x.copy_to_host().astype(np.float64), W_seen)) < BF16_VS_ROUNDED
+
+
+def test_linear_dispatch(monkeypatch):
+    """VERSION picks the kernel family; v2 only for V2_MIN_M <= M <= V2_MAX_M."""
+    calls = []
+    monkeypatch.setattr(lin, "linear_v1", lambda x, *a: calls.append(("v1", x.shape[0])))
+    monkeypatch.setattr(lin, "linear_v2", lambda x, *a: calls.append(("v2", x.shape[0])))
+    monkeypatch.setattr(lin, "V2_MIN_M", 2)
+    monkeypatch.setattr(lin, "V2_MAX_M", 64)
+    xs = {M: np.zeros((M, 4), np.float32) for M in (1, 2, 64, 65)}
+    for v in ("1", "2"):
+        monkeypatch.setattr(lin, "VERSION", v)
+        for x in xs.values():
+            lin.linear(x, None, None)
+    assert calls == [("v1", 1), ("v1", 2), ("v1", 64), ("v1", 65), ("v1", 1), ("v2", 2), ("v2", 64), ("v1", 65)]
+
+
+def test_linear_v2_plan_fills_the_gpu(monkeypatch):
+    """On a 132-SM H200 (4 warps per block, as there) the plan splits K for the 576-row projection (18
+    row blocks) and for M <= 16 on 2048-wide ones, not for the lm_head; every split has whole steps and
+    the splits cover K."""
+    monkeypatch.setattr(lin, "V2_WARPS", 4)
+    # the plan is cached by shape and reads the module's constants: a fresh cache for this test
+    monkeypatch.setattr(lin, "_v2_plan", functools.cache(lin._v2_plan.__wrapped__))
+    for N, Kw, M, want_split in ((576, 1024, 16, True), (576, 1024, 64, True), (3072, 1024, 16, True),
+                                 (163840, 1024, 16, False), (576, 3584, 4, True)):
+        TM, NR, U, warps, S, ks = lin._v2_plan(M, N, Kw, 132)
+        assert (S > 1) == want_split, (N, Kw, M, S)
+        assert ks % (32 * U) == 0 and (S - 1) * ks < Kw <= S * ks
+        assert ks // (32 * U) >= lin.V2_MIN_STEPS or S == 1
 
 
 @pytest.mark.kernels
@@ -112,7 +200,7 @@ GPU_SHAPES = [  # (N, K)
 @pytest.mark.gpu
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
 @pytest.mark.parametrize("N,K", GPU_SHAPES)
-def test_linear_gpu(rng, N, K, wdtype):
+def test_linear_gpu(rng, version, N, K, wdtype):
     W_store, W_seen, W_fp32 = _weights(rng, N, K, wdtype)
     d_W = cuda.to_device(W_store)
     for i, M in enumerate(GPU_M):
@@ -121,8 +209,27 @@ def test_linear_gpu(rng, N, K, wdtype):
 
 @pytest.mark.kernels
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(576, 2048), (3072, 2048), (576, 7168)])
+def test_linear_v2_gpu_splits_deterministic(rng, N, K):
+    """v2 with forced token tiles and K-splits at real shapes; a split run repeated gives identical bits."""
+    W_store, W_seen, W_fp32 = _weights(rng, N, K, "bf16")
+    d_W = cuda.to_device(W_store)
+    for M, tm, splits in ((16, 16, 8), (64, 16, 3), (64, 8, 1), (4, 4, 4), (1, 1, 2), (48, None, None)):
+        fn = functools.partial(lin.linear_v2, tm=tm, splits=splits)
+        _check(rng, M, W_store, W_seen, W_fp32, accumulate=splits == 3, d_W=d_W, fn=fn)
+        x = cuda.to_device(rng.standard_normal((M, K)).astype(np.float32))
+        outs = []
+        for _ in range(2):
+            d_y = cuda.device_array((M, N), np.float32)
+            fn(x, d_W, d_y)
+            outs.append(d_y.copy_to_host())
+        assert np.array_equal(outs[0], outs[1]), f"M={M} tm={tm} splits={splits}: not deterministic"
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
-def test_linear_gpu_lm_head(rng, wdtype):
+def test_linear_gpu_lm_head(rng, version, wdtype):
     N, K = 163840, 2048  # lm_head: vocab x D (Moonlight / Kimi vocab)
     W_store, W_seen, W_fp32 = _weights(rng, N, K, wdtype)
     d_W = cuda.to_device(W_store)

@@ -1,7 +1,13 @@
 """Dense projection ``y[M, N] = x[M, K] @ W[N, K]^T`` (+ ``y`` with ``accumulate``), every linear layer.
 
 x float32; W float32 or bf16 stored as uint16 (``W[out, in]`` as in checkpoints); fp32 accumulation.
-:func:`linear` picks one of two kernels by the number of tokens M:
+Two generations of kernels sit side by side (llm.c style); :func:`linear` picks by ``VERSION``
+(env ``KDT_LINEAR_VERSION``, default "2") and M: v2 for ``V2_MIN_M <= M <= V2_MAX_M`` (env
+``KDT_LINEAR_V2_MIN_M`` / ``_MAX_M``, default 1 .. unbounded: v2 won at every measured M, see
+below), v1 otherwise. :func:`linear_v1` and
+:func:`linear_v2` run one family directly (``scripts/bench_linear.py`` times both).
+
+v1 picks one of two kernels by the number of tokens M:
 
 - **skinny** (decode / small verification batches, ``M <= SKINNY_MAX_M``): a block of 4 or 8 warps;
   each warp owns ``NR`` consecutive output rows n and streams ``W[n, :]`` once per tile of ``TM``
@@ -18,11 +24,30 @@ x float32; W float32 or bf16 stored as uint16 (``W[out, in]`` as in checkpoints)
   ``WIDE_BM x WIDE_BN`` output tile per block of 256 threads, ``WIDE_BK``-wide K tiles,
   ``WIDE_RM x WIDE_RN`` outputs per thread in registers; edges bounds-checked, so any M, N, K works.
 
-Measured on one H200 (numba-cuda 0.30.4, bf16 weights, kernel time without launch overhead; copy
-bandwidth there ~3.0-3.4 TB/s read+write): M = 1 streams W at 2.2 TB/s (7168 x 8192) to 2.9 TB/s
-(lm_head 163840 x 2048, 232 us); M = 16 on 7168 x 8192 takes 346 us, M = 32 688 us; the tiled
-GEMM reaches ~12 TFLOP/s (fp32 CUDA cores, no tensor cores) for M >= 128. Reading x straight from
-L1 instead of staging it was 1.5-2x slower and was dropped.
+Measured on one H200 (numba-cuda 0.30.4, bf16 weights, kernel time without launch overhead): M = 1
+streams W at 66-71% of the copy bandwidth on the lm_head, but M = 16..64 runs at 0.7-8 TFLOP/s
+(docs/PERF.md): each warp walks its K range as a chain of dependent load -> use round trips with
+~1-2 blocks per SM, the staging of x costs ~50 integer instructions per element (Numba's signed
+index wrap-around, 64-bit address arithmetic), and the wide kernel has 9-48 blocks for N <= 3072.
+
+**v2** (any M; one kernel, generated per (weight kind, TM)): block (bx, by, s) of ``V2_WARPS`` warps
+computes tokens ``bx*TM ..`` x rows ``by*32 ..`` over the K-split ``s``; each warp owns ``V2_NR`` = 8
+rows, each lane a ``TM x 8`` register tile (TM = 1, 4, 8 or 16 by M) over the words lane, lane + 32,
+.. of its range: per weight word (two bf16) it widens each half once and uses it for TM tokens, and
+each x value it loads from shared memory (staged per block, K-chunks of up to ``V2_KCW`` words)
+serves 8 rows, so the hot loop is ~70% FFMA for TM = 16 (SASS: 256 FFMA, 32 LDS, 8 LDG of 367
+instructions per step). The next step's weight words are loaded before the current step's FMAs
+(double-buffered registers), and hot-loop indices are uint32 over a flat W (no wrap-around code).
+Small N would leave SMs idle (N = 576: 18 row blocks), so :func:`_v2_plan` splits K into S pieces by
+a wave-quantisation model; each piece writes its partial sums to a cached scratch ``[S, M, N]``
+(allocated on a shape's first call, kept: CUDA-graph safe) and :func:`_splitk_reduce` adds them in
+a fixed order (no atomics: bitwise identical run to run). The 32 lane partials of each output are
+reduced through shared memory (rotated reads, no bank conflicts), the same code in the simulator.
+ptxas (sm_90): 76 / 108 / 128 / 255 registers for TM = 1 / 4 / 8 / 16, no spills; Numba compiles
+each variant in ~4-15 s. Measured on the H200 (``scripts/bench_linear.py``, bf16, GPU-only, every
+Moonlight / Kimi-K2 projection; docs/perf/linear-v1-v2-2026-11-29-bf16.json): v2 over v1 1.0-2.5x at
+M = 1 (lm_head at 96-100% of the copy bandwidth), 1.6-4.1x at M = 4, 1.5-12x at M = 16, 2.2-23x at
+M = 64, 1.7-3.0x at M = 512; 17-25 TFLOP/s from M = 64 (fp32 FMA, no tensor cores).
 
 The NumPy reference is :func:`linear_ref` (= :func:`kdt.reference.ops.linear`).
 """
@@ -30,15 +55,16 @@ The NumPy reference is :func:`linear_ref` (= :func:`kdt.reference.ops.linear`).
 from __future__ import annotations
 
 import linecache
+import os
 from functools import cache
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint16
+from numba import cuda, float32, int32, int64, uint16, uint32
 
 from kdt.kernels.common import IS_SIM, WARP, bf16_to_f32, cdiv, register_ptx
 from kdt.reference.ops import linear as linear_ref  # noqa: F401  (re-exported for tests / callers)
 
-__all__ = ["linear", "linear_ref", "SKINNY_MAX_M"]
+__all__ = ["linear", "linear_v1", "linear_v2", "linear_ref", "SKINNY_MAX_M"]
 
 # ---- tuning constants ------------------------------------------------------------------------------
 SKINNY_MAX_M = 48  # M <= this -> skinny kernel, else the tiled GEMM (crossover measured on the H200)
@@ -50,6 +76,32 @@ XS_FLOATS = 256 if IS_SIM else 4096
 WIDE_BM, WIDE_BN, WIDE_BK = 64, 64, 16  # output tile (tokens x rows) and K tile of the GEMM
 WIDE_RM, WIDE_RN = 4, 4  # outputs per thread
 _WIDE_PAD = 1  # shared-memory row padding (bank conflicts of the transposed tile stores)
+
+# v2 (see the module docstring). Which kernel linear() runs: KDT_LINEAR_VERSION=1 -> v1 (skinny / wide)
+# for every M; =2 (default) -> v2 for V2_MIN_M <= M <= V2_MAX_M, v1 outside. Module attributes, read at
+# every call, so a script may also set them (scripts/bench_linear.py calls linear_v1 / linear_v2).
+# Prediction behind the default (not yet measured): v2 is 4-10x faster at M = 16..64 (v1 there is
+# latency-bound at 1-8 TFLOP/s; v2's hot loop is ~70% FFMA with the next weights in flight and fills
+# the SMs by K-splits: expect ~25-30 TFLOP/s on large N, ~10 us for N = 576), ~2-3x at M = 2..8 (same
+# weight bytes, shorter dependent-load chains), and faster than the tiled GEMM at every M > 48 (that
+# one issues 2 FMAs per shared load and has 9-48 blocks for N <= 3072). M = 1 stays on v1 (the lm_head
+# already streams at 66-71% of the copy bandwidth there), pending a measurement.
+VERSION = os.environ.get("KDT_LINEAR_VERSION", "2")
+V2_MIN_M = int(os.environ.get("KDT_LINEAR_V2_MIN_M", "1"))
+V2_MAX_M = int(os.environ.get("KDT_LINEAR_V2_MAX_M", str(1 << 30)))
+V2_NR = 8  # weight rows per warp (FMAs per shared-memory load of x)
+# words per row per lane per step, by TM (2 * U * V2_NR weight words live per lane: double-buffered);
+# U = 2 halves the loop overhead per FMA where registers allow (TM = 16 already needs ~255)
+V2_U = {1: 2, 2: 2, 4: 2, 8: 2, 16: 1}
+V2_WARPS = 2 if IS_SIM else 4  # warps per block (row groups sharing one staged x tile)
+V2_KCW = 64 if IS_SIM else 256  # weight words per staged K-chunk (x chunk: TM x V2_KCW * PACK floats)
+# Resident blocks per SM by TM (ptxas -v for sm_90, 4 warps: 76 / 80 / 110 / 128 / 255 registers per
+# thread for TM = 1 / 2 / 4 / 8 / 16), the "slots" of one wave when choosing the K-split.
+V2_BLOCKS_PER_SM = {1: 6, 2: 6, 4: 4, 8: 4, 16: 2}
+V2_MIN_STEPS = 4  # at least this many steps per lane per K-split
+V2_SPLIT_FIXED = 2  # per-block cost besides its steps (start-up latency, reduction), in steps
+V2_SPLIT_REDUCE = 4  # cost of the reduce kernel, in steps
+V2_MAX_SPLITS = 32
 
 
 def _skinny_config(M: int, N: int) -> tuple[int, int, int]:
@@ -98,6 +150,32 @@ def _f32_unpack(w, p):
 @cuda.jit(device=True, inline=True)
 def _bf16_unpack(w, p):
     return bf16_to_f32(w)
+
+
+# v2 widens weight words with expressions written into the generated source (on the GPU; the simulator
+# calls these device functions): a Numba device function call either grows the kernel's Numba IR
+# (inline="always") or needs a GPU to compile (so no CPU-only sm_90 check), and Numba's IR passes grow
+# faster than linearly with the size of these large kernels.
+if IS_SIM:
+
+    @cuda.jit(device=True)
+    def _v2_lo(w):
+        return np.uint32((int(w) << 16) & 0xFFFFFFFF).view(np.float32)
+
+    @cuda.jit(device=True)
+    def _v2_hi(w):
+        return np.uint32(int(w) & 0xFFFF0000).view(np.float32)
+
+    @cuda.jit(device=True)
+    def _v2_bf16(w):
+        return np.uint32(int(w) << 16).view(np.float32)
+
+    _V2_UNPACK_SIM = {"f32": ("{}",), "bf16": ("unpack_b({})",), "bf16x2": ("unpack_lo({})", "unpack_hi({})")}
+_V2_UNPACK = {  # kind -> per element of the word: source expression of its float32 value
+    "f32": ("{}",),
+    "bf16": ("i2f(int32({}) << int32(16))",),
+    "bf16x2": ("i2f(int32({} << int32(16)))", "i2f(int32({} & int32(-65536)))"),
+}
 
 
 # kind -> (unpack device function, elements per word, numba type of a word)
@@ -334,6 +412,168 @@ def _wide_kernel(kind: str):
     return _jit_source(_wide_source(**prm), "linear_wide", ns), NT
 
 
+# ---- v2: register-tiled, split-K kernel (M = 2 .. V2_MAX_M) --------------------------------------------
+def _v2_params(kind: str, TM: int, NR: int, U: int, warps: int) -> dict:
+    _, PACK, _ = _KINDS[kind]
+    NT = warps * WARP
+    STEP = WARP * U  # words of a row a warp consumes per step
+    NV = TM * NR
+    assert NV & (NV - 1) == 0 and NR & (NR - 1) == 0, "TM * NR and NR must be powers of two"
+    # words per staged K-chunk: V2_KCW, or less where the x tile and the reduction buffer
+    # (warps x min(NV, 32) x 32 floats) would pass the 48 KiB of static shared memory
+    red_floats = warps * min(NV, WARP) * WARP
+    KCW = min(V2_KCW, (12288 - red_floats) // (PACK * TM) // STEP * STEP)
+    assert KCW >= STEP and KCW % STEP == 0
+    return dict(TM=TM, NR=NR, U=U, PACK=PACK, WARPS=warps, NT=NT, STEP=STEP, KCW=KCW, KCE=KCW * PACK, NV=NV)
+
+
+def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int, KCE: int, NV: int,
+               UNPACK: tuple, **_) -> str:
+    """Python source of the v2 kernel for one (TM, NR, PACK), every compile-time loop unrolled.
+
+    Hot-loop indices are uint32 (Numba adds a negative-index wrap-around to every signed index) and
+    each weight row is a 1-D view taken once, so a step costs NR loads and next to no integer work."""
+    T, R, Us, Ps = range(TM), range(NR), range(U), range(PACK)
+    fast = KCE % NT == 0  # full chunks are staged with compile-time offsets
+    s = _Src()
+    with s.block("def linear_v2(x, W, Kw, y, part, ks, accumulate):"):
+        s('"""x[M, K] f32, W[N * Kw] weight words (row-major [N, Kw], Kw = K / PACK, N * Kw < 2**32),')
+        s("y[M, N] f32: y = x @ W^T (+ y), or,")
+        s("with gridDim.z = S > 1, part[s, M, N] = the partial sum over words [s * ks, (s + 1) * ks).")
+        s("")
+        s("grid (cdiv(M, TM), cdiv(N, WARPS * NR), S); block of WARPS warps. Block (bx, by, s) owns tokens")
+        s("m0 = bx * TM .. and words [s * ks, ..); its warp w the NR rows n0 = (by * WARPS + w) * NR ..; each")
+        s("lane accumulates acc_t_r (TM x NR registers) over words lane, lane + 32, .. of that range.")
+        s('"""')
+        s("M = x.shape[0]")
+        s("N = y.shape[1]")
+        s("xs = cuda.shared.array(XS_SHAPE, float32)  # xs[p, t, i] = x[m0 + t, (c0 + i) * PACK + p]")
+        s("red = cuda.shared.array(RED_SHAPE, float32)  # per warp: red[warp, j, lane], the reduction")
+        s("tid = cuda.threadIdx.x")
+        s("lane = tid % WARP")
+        s("warp = tid // WARP")
+        s("m0 = cuda.blockIdx.x * TM")
+        s("n0 = (cuda.blockIdx.y * WARPS + warp) * NR")
+        s("kbeg = cuda.blockIdx.z * ks")
+        s("kend = uint32(min(kbeg + ks, Kw))")
+        for r in R:  # word offsets of the rows (clamped: rows >= N are loaded but never written)
+            s(f"ro_{r} = uint32(min(n0 + {r}, N - 1) * Kw)")
+        for t in T:
+            s(" = ".join(f"acc_{t}_{r}" for r in R) + " = float32(0.0)")
+        s("# the first step's weight words; every later step's are loaded one step ahead")
+        s("klast = kend - uint32(1)")
+        for u in Us:  # indices past the range end are clamped to its last word: those products meet x = 0
+            s(f"j_{u} = min(uint32(kbeg + {u * WARP} + lane), klast)")
+            for r in R:
+                s(f"w_{u}_{r} = W[ro_{r} + j_{u}]")
+        if fast:
+            s(f"sp = uint32(tid % {PACK})")
+            s(f"si = uint32(tid // {PACK})")
+        with s.block("for c0 in range(kbeg, kend, KCW):  # K-chunks, in words"):
+            s("cw = min(KCW, kend - c0)")
+            s("cuda.syncthreads()  # everyone is done with the previous chunk")
+            if fast:
+                with s.block("if cw == KCW:  # a full chunk: each thread stages elements tid + q * NT"):
+                    s("xk = uint32(c0 * PACK + tid)")
+                    for t in T:  # rows past M are clamped to row M - 1: their sums are never written
+                        s(f"xr = x[min(m0 + {t}, M - 1)]")
+                        for off in range(0, KCE, NT):
+                            s(f"xs[sp, {t}, si + uint32({off // PACK})] = xr[xk + uint32({off})]")
+                ctx = s.block("else:  # the last, partial chunk: zeros past the range end and past M")
+            else:
+                ctx = s.block("if True:")
+            with ctx:  # generic staging: a runtime loop (small code), runs once per block at most
+                s("ce = cw * PACK")
+                s("cp = (cw + STEP - 1) // STEP * STEP * PACK")
+                with s.block("for e in range(tid, TM * cp, NT):"):
+                    s("t = e // cp")
+                    s("r = e - t * cp")
+                    s("xs[r % PACK, t, r // PACK] = x[min(m0 + t, M - 1), c0 * PACK + min(r, ce - 1)] "
+                      "if r < ce else float32(0.0)")
+            s("cuda.syncthreads()")
+            with s.block("if n0 < N:"):
+                with s.block("for i0 in range(0, cw, STEP):"):
+                    for u in Us:  # next step's words first (they are in flight during this step's FMAs)
+                        s(f"j_{u} = min(uint32(c0 + i0 + {STEP + u * WARP} + lane), klast)")
+                        for r in R:
+                            s(f"v_{u}_{r} = W[ro_{r} + j_{u}]")
+                    for u in Us:
+                        s(f"i_{u} = uint32(i0 + {u * WARP} + lane)")
+                        for p in Ps:
+                            for r in R:
+                                s(f"f_{r} = " + UNPACK[p].format(f"w_{u}_{r}"))
+                            for t in T:
+                                s(f"xv = xs[{p}, {t}, i_{u}]")
+                                for r in R:
+                                    s(f"acc_{t}_{r} += xv * f_{r}")
+                    for u in Us:
+                        for r in R:
+                            s(f"w_{u}_{r} = v_{u}_{r}")
+        # ---- reduce the 32 lane partials of each accumulator: per warp, through shared memory, in
+        # batches of RB = min(NV, 32) values: every lane stores its RB partials as red[warp, j, lane],
+        # then lane j < RB sums row j (reading lanes in the rotated order lane + i, so the 32 lanes
+        # hit 32 different banks), i.e. value b * RB + lane of batch b: token b * RB / NR + lane // NR,
+        # row lane % NR. A fixed order: the result is the same on every run.
+        vals = [f"acc_{t}_{r}" for t in T for r in R]
+        RB = min(NV, WARP)
+        sync = "cuda.syncthreads()" if IS_SIM else "cuda.syncwarp()"  # the simulator has no syncwarp
+        for b in range(NV // RB):
+            for j in range(RB):
+                s(f"red[warp, {j}, lane] = {vals[b * RB + j]}")
+            s(sync)
+            s(f"out_{b} = float32(0.0)")
+            with s.block(f"if lane < {RB}:"):
+                with s.block("for i in range(WARP):"):
+                    s(f"out_{b} += red[warp, lane, (lane + i) & {WARP - 1}]")
+            s(sync)
+        s(f"n = n0 + lane % {NR}")
+        s(f"tb = m0 + lane // {NR}")
+        with s.block(f"if lane < {RB} and n < N:"):
+            with s.block("if cuda.gridDim.z > 1:"):
+                s("z = cuda.blockIdx.z")
+                for b in range(NV // RB):
+                    with s.block(f"if tb + {b * RB // NR} < M:"):
+                        s(f"part[z, tb + {b * RB // NR}, n] = out_{b}")
+            with s.block("else:"):
+                for b in range(NV // RB):
+                    with s.block(f"if tb + {b * RB // NR} < M:"):
+                        s(f"tot = out_{b}")
+                        with s.block("if accumulate:"):
+                            s(f"tot += y[tb + {b * RB // NR}, n]")
+                        s(f"y[tb + {b * RB // NR}, n] = tot")
+    return s.text()
+
+
+@cache
+def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int):
+    """The v2 kernel for one weight kind and (TM, NR, U, warps)."""
+    _, PACK, _ = _KINDS[kind]
+    prm = _v2_params(kind, TM, NR, U, warps)
+    ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, WARP=WARP,
+              XS_SHAPE=(PACK, TM, prm["KCW"]), RED_SHAPE=(warps, min(prm["NV"], WARP), WARP))
+    if IS_SIM:
+        ns.update(unpack_lo=_v2_lo, unpack_hi=_v2_hi, unpack_b=_v2_bf16)
+    else:
+        ns.update(i2f=libdevice.int_as_float)
+    return _jit_source(_v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind]), "linear_v2", ns)
+
+
+@cuda.jit
+def _splitk_reduce(part, y, accumulate):
+    """y[m, n] = part[0, m, n] + part[1, m, n] + ... (+ y[m, n]), in that fixed order (deterministic)."""
+    S, M, N = part.shape
+    i = cuda.grid(1)
+    if i < M * N:
+        m = i // N
+        n = i - m * N
+        tot = part[0, m, n]
+        for s in range(1, S):
+            tot += part[s, m, n]
+        if accumulate:
+            tot += y[m, n]
+        y[m, n] = tot
+
+
 # ---- wrapper ---------------------------------------------------------------------------------------
 def _weight_kind(W) -> str:
     dt = np.dtype(W.dtype)
@@ -344,26 +584,48 @@ def _weight_kind(W) -> str:
     raise TypeError(f"unsupported weight dtype {dt}: linear takes float32 or bf16 (stored as uint16)")
 
 
-def linear(x, W, y, accumulate: bool = False, stream=0) -> None:
-    """``y[M, N] = x[M, K] @ W[N, K]^T``, or ``y += x @ W^T`` with ``accumulate`` (fused residual add).
-
-    x: float32 device array [M, K]; W: float32 or uint16 (bf16 bits) device array [N, K];
-    y: float32 device array [M, N] (written; read too when ``accumulate``). y must not alias x.
-    Launches on ``stream`` and returns without synchronising.
-    """
+def _check_args(x, W, y) -> tuple[int, int, int]:
     M, K = x.shape
     N, Kw = W.shape
     if Kw != K or tuple(y.shape) != (M, N):
         raise ValueError(f"linear: x {tuple(x.shape)}, W {tuple(W.shape)}, y {tuple(y.shape)} do not match")
     if np.dtype(x.dtype) != np.float32 or np.dtype(y.dtype) != np.float32:
         raise TypeError("linear: x and y must be float32")
+    _weight_kind(W)
+    return M, K, N
+
+
+def _pair_words(W, kind: str, K: int):
+    """bf16 with even K and contiguous rows: view as int32 words of two bf16 (one 32-bit load each)."""
+    if kind == "bf16" and K % 2 == 0 and W.is_c_contiguous():
+        return W.view(np.int32), "bf16x2"
+    return W, kind
+
+
+def linear(x, W, y, accumulate: bool = False, stream=0) -> None:
+    """``y[M, N] = x[M, K] @ W[N, K]^T``, or ``y += x @ W^T`` with ``accumulate`` (fused residual add).
+
+    x: float32 device array [M, K]; W: float32 or uint16 (bf16 bits) device array [N, K];
+    y: float32 device array [M, N] (written; read too when ``accumulate``). y must not alias x.
+    Launches on ``stream`` and returns without synchronising. Runs :func:`linear_v2` for
+    ``V2_MIN_M <= M <= V2_MAX_M`` when ``VERSION == "2"``, else :func:`linear_v1`.
+    """
+    M = x.shape[0]
+    if VERSION == "2" and V2_MIN_M <= M <= V2_MAX_M:
+        linear_v2(x, W, y, accumulate, stream)
+    else:
+        linear_v1(x, W, y, accumulate, stream)
+
+
+def linear_v1(x, W, y, accumulate: bool = False, stream=0) -> None:
+    """:func:`linear` with the v1 kernels: skinny for ``M <= SKINNY_MAX_M``, else the tiled GEMM."""
+    M, K, N = _check_args(x, W, y)
     if M == 0 or N == 0:
         return
     kind = _weight_kind(W)
     acc = 1 if accumulate else 0
     if M <= SKINNY_MAX_M:
-        if kind == "bf16" and K % 2 == 0 and W.is_c_contiguous():
-            W, kind = W.view(np.int32), "bf16x2"  # two bf16 per 32-bit load
+        W, kind = _pair_words(W, kind, K)
         kern, rows_per_block, nt = _skinny_kernel(kind, *_skinny_config(M, N))
         kern[cdiv(N, rows_per_block), nt, stream](x, W, y, acc)
     else:
@@ -371,7 +633,95 @@ def linear(x, W, y, accumulate: bool = False, stream=0) -> None:
         kern[(cdiv(N, WIDE_BN), cdiv(M, WIDE_BM)), nt, stream](x, W, y, acc)
 
 
+def _v2_tm(M: int) -> int:
+    """Tokens per tile: 1, 4, 8 or 16 (few variants: each costs ~15 s of compilation per process);
+    above 16, 8 or 16, whichever pads less (16 issues ~20% fewer instructions per FMA: it wins
+    near-ties)."""
+    if M <= 16:
+        return 1 if M == 1 else 4 if M <= 4 else 8 if M <= 8 else 16
+    return 16 if cdiv(M, 16) * 16 <= 1.1 * cdiv(M, 8) * 8 else 8
+
+
+@cache
+def _v2_plan(M: int, N: int, Kw: int, nsm: int, tm: int | None = None, splits: int | None = None,
+             warps: int | None = None):
+    """(TM, NR, U, warps, S, ks): token tile, rows per warp, words per row per step, warps per block,
+    K-splits and words per split.
+
+    Without a split there are cdiv(M, TM) * cdiv(N, NR * warps) blocks; small N (576-row
+    kv_a_proj_with_mqa: 18 row blocks) would leave most of the 132 SMs idle, so the K range is cut
+    into S pieces (at least V2_MIN_STEPS steps per lane each), S chosen by a wave-quantisation model
+    (V2_BLOCKS_PER_SM resident blocks per SM). Host-known shapes only (CUDA-graph safe)."""
+    TM = tm or _v2_tm(M)
+    NR, U, warps = V2_NR, V2_U[TM], warps or V2_WARPS
+    STEP = WARP * U
+    steps = cdiv(Kw, STEP)
+    if splits is None:  # the S of least modelled time: waves * (steps per block + fixed) (+ reduce)
+        base = cdiv(M, TM) * cdiv(N, NR * warps)
+        slots = max(nsm, nsm * V2_BLOCKS_PER_SM[TM] * 4 // warps)  # (the table is for 4-warp blocks)
+        smax = min(steps // V2_MIN_STEPS, V2_MAX_SPLITS) if base < 4 * slots else 1  # many waves: no split
+        splits = min(range(1, max(1, smax) + 1),
+                     key=lambda S: (cdiv(base * S, slots) * (cdiv(steps, S) + V2_SPLIT_FIXED)
+                                    + (V2_SPLIT_REDUCE if S > 1 else 0), S))
+    ks = cdiv(steps, splits) * STEP
+    return TM, NR, U, warps, cdiv(Kw, ks), ks
+
+
+_DEVICE_INFO: dict = {}  # device id -> SMs
+_SCRATCH: dict = {}  # (device id, S, M, N) -> float32 device array [S, M, N] of split-K partial sums
+
+
+def _device() -> tuple[int, int]:
+    """(device id, number of SMs) of the current device (the simulator: id 0, 4 SMs)."""
+    if IS_SIM:
+        return 0, 4
+    dev = cuda.get_current_device()
+    nsm = _DEVICE_INFO.get(dev.id)
+    if nsm is None:
+        nsm = _DEVICE_INFO[dev.id] = int(dev.MULTIPROCESSOR_COUNT)
+    return dev.id, nsm
+
+
+def _scratch(dev: int, S: int, M: int, N: int):
+    """The split-K partial-sum buffer for one shape, allocated on first use and kept for the process,
+    so a CUDA graph captured after that first call keeps a valid pointer (nothing is allocated during
+    a captured forward). Every call with this shape reuses it: callers on one stream (the engine)."""
+    key = (dev, S, M, N)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = cuda.device_array((S, M, N), np.float32)
+    return buf
+
+
+def linear_v2(x, W, y, accumulate: bool = False, stream=0, tm: int | None = None,
+              splits: int | None = None, warps: int | None = None) -> None:
+    """:func:`linear` with the v2 kernel (any M); ``tm`` / ``splits`` / ``warps`` override the plan
+    (tests, sweeps).
+
+    With S > 1 K-splits, partial sums go to a cached scratch buffer and :func:`_splitk_reduce` adds
+    them in a fixed order (then ``y`` when ``accumulate``): results are identical run to run."""
+    M, K, N = _check_args(x, W, y)
+    if M == 0 or N == 0:
+        return
+    if not W.is_c_contiguous() or W.size >= 1 << 32:  # v2 reads W as one flat array, 32-bit offsets
+        return linear_v1(x, W, y, accumulate, stream)
+    W, kind = _pair_words(W, _weight_kind(W), K)
+    Kw = W.shape[1]
+    dev, nsm = _device()
+    TM, NR, U, warps, S, ks = _v2_plan(M, N, Kw, nsm, tm, splits, warps)
+    kern = _v2_kernel(kind, TM, NR, U, warps)
+    acc = 1 if accumulate else 0
+    part = _scratch(dev, S, M, N) if S > 1 else _scratch(dev, 1, 1, 1)  # (unused when S == 1)
+    kern[(cdiv(M, TM), cdiv(N, NR * warps), S), warps * WARP, stream](x, W.reshape(N * Kw), Kw, y, part, ks, acc)
+    if S > 1:
+        _splitk_reduce[cdiv(M * N, 256), 256, stream](part, y, acc)
+
+
 # ---- sm_90 compile check: both paths, every weight-word kind, every skinny tile config -----------------
+def V2_SIG(wt):  # noqa: N802 - the v2 kernel's signature for weight-word type wt
+    return (float32[:, ::1], wt[::1], int64, float32[:, ::1], float32[:, :, ::1], int64, int64)
+
+
 def _register() -> None:
     x2 = float32[:, ::1]
     for kind, (_, _, wt) in _KINDS.items():
@@ -381,6 +731,13 @@ def _register() -> None:
             register_ptx(kern, (x2, wt[:, ::1], x2, int64), name=f"linear_skinny_{kind}_{TM}x{NR}_w{warps}")
         if kind != "bf16x2":
             register_ptx(_wide_kernel(kind)[0], (x2, wt[:, ::1], x2, int64), name=f"linear_wide_{kind}")
+        # v2: the token tiles _v2_tm picks (TM 2 and 8-warp blocks only when asked for: bf16x2 alone)
+        for TM, warps in ((1, V2_WARPS), (4, V2_WARPS), (8, V2_WARPS), (16, V2_WARPS)) + (
+                ((2, V2_WARPS), (16, 8)) if kind == "bf16x2" else ()):
+            U = V2_U[TM]
+            register_ptx(_v2_kernel(kind, TM, V2_NR, U, warps), V2_SIG(wt),
+                         name=f"linear_v2_{kind}_{TM}x{V2_NR}_u{U}_w{warps}")
+    register_ptx(_splitk_reduce, (float32[:, :, ::1], x2, int64), name="linear_splitk_reduce")
 
 
 _register()

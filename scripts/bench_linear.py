@@ -1,0 +1,150 @@
+"""Dense linear, v1 (skinny / tiled GEMM) against v2 (register-tiled, split-K): GPU-only time per shape.
+
+    python scripts/bench_linear.py [--presets moonlight-16b-a3b,kimi-k2] [--M 1,4,8,16,32,64,128]
+                                   [--big-M 512,2048] [--sweep] [--json PATH]
+
+Times each kernel like ``python -m kdt.kernels.bench`` (kdt/kernels/bench.py: launches queued behind
+a spin kernel, CUDA events around the batch; weights rotated over >= 128 MB of copies so each launch
+reads its matrix from HBM, bf16 weights). Prints per shape and M: v1 and v2 microseconds, the speedup,
+v2's GB/s and % of the measured copy bandwidth (bytes that must move once: weights + x + y), both
+TFLOP/s, v2's plan (token tile TM, K-splits S) and the relative difference of the two outputs (a
+sanity check; correctness is tests/test_kernels_linear.py's business). ``--big-M`` adds prefill-sized
+M for the non-lm_head shapes (where v1 is the tiled GEMM). ``--sweep`` then times v2 over token tiles
+(8, 16), warps per block (4, 8) and K-splits at M = 16 and 64 and prints the best plan beside the
+default one (to retune kdt/kernels/linear.py's V2_* constants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from numba import cuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kdt.config import preset  # noqa: E402
+from kdt.kernels import linear as lin  # noqa: E402
+from kdt.kernels.bench import copy_bandwidth, rand, time_us  # noqa: E402
+from kdt.kernels.common import cdiv  # noqa: E402
+
+
+def shapes(name: str) -> list[tuple[str, int, int]]:
+    """(layer, N, K) of one preset's dense projections."""
+    cfg = preset(name)
+    D, H, V = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
+    dn, dr, dv, Rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    out = []
+    if cfg.q_lora_rank:
+        out += [("q_a_proj", cfg.q_lora_rank, D), ("q_b_proj", H * (dn + dr), cfg.q_lora_rank)]
+    else:
+        out.append(("q_proj", H * (dn + dr), D))
+    return out + [("kv_a_proj_with_mqa", Rkv + dr, D), ("o_proj", D, H * dv), ("lm_head", V, D)]
+
+
+def timed(fn, est_us: float) -> float:
+    """time_us with a batch of about 30 ms of GPU work (at least 2 launches, at most 16)."""
+    return time_us(fn, batch=int(max(2, min(16, 30000 // max(est_us, 1.0)))))
+
+
+def estimate_us(fn) -> float:
+    """One launch, synchronised (after a warm-up call that compiles), for sizing the batch."""
+    fn(0)
+    cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(1)
+    cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def rotating(fn, Ws, x, y, **kw):
+    """fn(i) launching ``fn(x, W, y)`` on weight copy i % len(Ws)."""
+    return lambda i: fn(x, Ws[i % len(Ws)], y, **kw)
+
+
+def plan_of(M: int, N: int, K: int, tm=None, splits=None, warps=None) -> tuple[int, int, int]:
+    """(TM, S, warps) of linear_v2's plan for bf16 weights."""
+    TM, _, _, w, S, _ = lin._v2_plan(M, N, K // 2, lin._device()[1], tm, splits, warps)
+    return TM, S, w
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default="moonlight-16b-a3b,kimi-k2")
+    ap.add_argument("--M", default="1,4,8,16,32,64,128")
+    ap.add_argument("--big-M", default="512,2048")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    Ms = [int(m) for m in args.M.split(",") if m]
+    big = [int(m) for m in args.big_M.split(",") if m]
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write); bf16 weights; "
+          f"V2_MIN_M={lin.V2_MIN_M} (linear() runs v2 for M >= that)")
+    hdr = (f"{'shape':34s} {'M':>5s} {'v1 us':>9s} {'v2 us':>9s} {'v1/v2':>6s} {'v2 GB/s':>8s} {'%copy':>6s} "
+           f"{'v1 TF/s':>7s} {'v2 TF/s':>7s} {'TM,S':>6s} {'rel diff':>9s}")
+    rows = []
+    for name in args.presets.split(","):
+        print(f"-- {name}")
+        print(hdr)
+        for layer, N, K in shapes(name):
+            nbytes_w = N * K * 2
+            Ws = [rand((N, K), np.uint16, 1 / np.sqrt(K)) for _ in range(min(16, cdiv(128 << 20, nbytes_w)))]
+            for M in Ms + ([] if layer == "lm_head" else big):
+                x = rand((M, K))
+                y1, y2 = cuda.device_array((M, N), np.float32), cuda.device_array((M, N), np.float32)
+                f1, f2 = rotating(lin.linear_v1, Ws, x, y1), rotating(lin.linear_v2, Ws, x, y2)
+                us1 = timed(f1, estimate_us(f1))
+                us2 = timed(f2, estimate_us(f2))
+                lin.linear_v1(x, Ws[0], y1)
+                lin.linear_v2(x, Ws[0], y2)
+                a, b = y1.copy_to_host().astype(np.float64), y2.copy_to_host().astype(np.float64)
+                diff = float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+                nbytes = nbytes_w + 4 * M * (K + N)
+                flops = 2 * M * N * K
+                TM, S, _ = plan_of(M, N, K)
+                row = dict(preset=name, layer=layer, M=M, N=N, K=K, us_v1=us1, us_v2=us2, speedup=us1 / us2,
+                           GBps_v2=nbytes / us2 * 1e-3, pct_copy_v2=100 * nbytes / (us2 * 1e-6) / bw,
+                           TFLOPps_v1=flops / us1 * 1e-6, TFLOPps_v2=flops / us2 * 1e-6, TM=TM, S=S, rel_diff=diff)
+                rows.append(row)
+                print(f"{layer + f' N={N} K={K}':34s} {M:5d} {us1:9.1f} {us2:9.1f} {us1 / us2:6.2f} "
+                      f"{row['GBps_v2']:8.0f} {row['pct_copy_v2']:5.0f}% {row['TFLOPps_v1']:7.2f} "
+                      f"{row['TFLOPps_v2']:7.2f} {f'{TM},{S}':>6s} {diff:9.1e}", flush=True)
+    sweep = []
+    if args.sweep:
+        print("-- sweep of v2 plans (us); * = the default plan")
+        for name in args.presets.split(","):
+            for layer, N, K in shapes(name):
+                if layer == "lm_head":
+                    continue
+                Ws = [rand((N, K), np.uint16, 1 / np.sqrt(K)) for _ in range(min(16, cdiv(128 << 20, N * K * 2)))]
+                for M in (16, 64):
+                    x, y = rand((M, K)), cuda.device_array((M, N), np.float32)
+                    steps_max = K // 2 // 32
+                    res = {plan_of(M, N, K): time_us(rotating(lin.linear_v2, Ws, x, y))}
+                    for tm, w, S in itertools.product((8, 16), (4, 8), (1, 2, 3, 4, 6, 8, 12, 16)):
+                        if S > 1 and steps_max // S < 2:
+                            continue
+                        f = rotating(lin.linear_v2, Ws, x, y, tm=tm, splits=S, warps=w)
+                        res[plan_of(M, N, K, tm, S, w)] = time_us(f)
+                    best = min(res, key=res.get)
+                    dflt = plan_of(M, N, K)
+                    line = " ".join(f"{t},{s},{w}:{us:.1f}{'*' if (t, s, w) == dflt else ''}"
+                                    for (t, s, w), us in sorted(res.items()))
+                    print(f"{name} {layer} N={N} K={K} M={M}: best TM,S,warps={best} {res[best]:.1f} us; "
+                          f"default {dflt} {res.get(dflt, float('nan')):.1f} us | {line}", flush=True)
+                    sweep.append(dict(preset=name, layer=layer, N=N, K=K, M=M, best=best, default=dflt,
+                                      us={f"{t},{s},{w}": us for (t, s, w), us in res.items()}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bandwidth_GBps": bw / 1e9, "rows": rows, "sweep": sweep}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
