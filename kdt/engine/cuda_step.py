@@ -161,7 +161,8 @@ def drafts_on_device(drafter, model: CudaModel) -> bool:
 
 class StepGraph:
     """One greedy DDTree step as one device program (see the module docstring), per key
-    ``(budget, D, K)``: budget nodes, D = depth, K candidates per depth; budget 0 is an AR step.
+    ``(budget, D, K, drafted on the device)``: budget nodes, D = depth, K candidates per depth; budget 0
+    is an AR step.
     ``start(L, root)`` after the prefill; then each ``step`` returns the committed tokens."""
 
     def __init__(self, ops: CudaTreeOps, draft_model: CudaDraftModel | None):
@@ -194,6 +195,9 @@ class StepGraph:
             self.ops.check_budget(budget)
             if draft is None and self.draft_model is None:
                 raise ValueError("this step program does not draft on the device: pass the draft")
+            if draft is None and D > self.draft_model.dcfg.block_size - 1:
+                raise ValueError(f"the learned drafter drafts {self.draft_model.dcfg.block_size - 1} depths "
+                                 f"(block size {self.draft_model.dcfg.block_size}), {D} asked")
             if draft is not None:
                 D, K = draft[0].shape
                 self.ops.upload_draft(*draft)
