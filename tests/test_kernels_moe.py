@@ -115,8 +115,8 @@ def _group_reference(topk_idx: np.ndarray, E: int):
     return counts, offsets, order // k, order % k, pos_of.reshape(M, k), np.nonzero(counts)[0]
 
 
-def _run_forward(cfg, w, b, dtype, M_max, accumulate, x0=None):
-    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, dtype)
+def _run_forward(cfg, w, b, dtype, M_max, accumulate, x0=None, version=None, tiles=None, layer=None):
+    layer = layer or moe.MoEWeights.from_hf(cfg, w, PREFIX, dtype)
     scratch = moe.MoEScratch.allocate(cfg, M_max)
     M = b.shape[0]
     out_h = poisoned((M_max, cfg.hidden_size))
@@ -124,7 +124,7 @@ def _run_forward(cfg, w, b, dtype, M_max, accumulate, x0=None):
         out_h[:M] = x0
     d_b = cuda.to_device(np.concatenate([b, np.full((M_max - M, b.shape[1]), np.nan, np.float32)]))
     out = cuda.to_device(out_h)
-    moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=accumulate)
+    moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=accumulate, version=version, tiles=tiles)
     res = out.copy_to_host()
     assert np.all(np.isnan(res[M:])), "rows past M must not be written"
     return res[:M], scratch
@@ -288,13 +288,14 @@ FORWARD_CASES = [
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("overrides,dtype,M,accumulate", FORWARD_CASES)
-def test_moe_forward_matches_reference(rng, overrides, dtype, M, accumulate):
+def test_moe_forward_matches_reference(rng, overrides, dtype, M, accumulate, version):
     cfg = _cfg(**overrides)
     w = _layer_weights(rng, cfg)
     b = _draw_b(rng, cfg, w, M)
     x0 = rng.standard_normal((M, cfg.hidden_size)).astype(np.float32) if accumulate else None
-    got, _ = _run_forward(cfg, w, b, dtype, M_max=M + 1, accumulate=accumulate, x0=x0)
+    got, _ = _run_forward(cfg, w, b, dtype, M_max=M + 1, accumulate=accumulate, x0=x0, version=version)
     b64 = b.astype(np.float64)
     base = x0.astype(np.float64) if accumulate else 0.0
     if dtype == np.float32:
@@ -302,6 +303,97 @@ def test_moe_forward_matches_reference(rng, overrides, dtype, M, accumulate):
     else:
         assert rel_err(got, base + MoE(cfg, _rounded(w), PREFIX, np.float64)(b64)) < BF16_BOUND
         assert rel_err(got, base + MoE(cfg, w, PREFIX, np.float64)(b64)) < BF16_VS_FP32_BOUND
+
+
+# ---- version 2 (three launches) --------------------------------------------------------------------
+def _check_v2_state(cfg, b, w, scratch, M):
+    """Routing and grouping left in the scratch by a version-2 forward vs the references: logits vs
+    float64, topk vs ops.moe_route on the kernel's own fp32 logits, the grouping vs _group_reference,
+    and the tickets back to 0."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    logits = scratch.logits.copy_to_host()[:M]
+    gate = w[PREFIX + "gate.weight"].astype(np.float64)
+    assert rel_err(logits, b.astype(np.float64) @ gate.T) < LOGITS_BOUND
+    ref_idx, ref_w = ops.moe_route(logits, w[PREFIX + "gate.e_score_correction_bias"], cfg)
+    idx = scratch.topk_idx.copy_to_host()[:M]
+    np.testing.assert_array_equal(idx, ref_idx)
+    assert rel_err(scratch.topk_w.copy_to_host()[:M], ref_w) < ROUTE_W_BOUND
+    counts, offsets, rows, slots, pos_of, active = _group_reference(idx, E)
+    P = M * k
+    np.testing.assert_array_equal(scratch.counts.copy_to_host(), counts)
+    np.testing.assert_array_equal(scratch.offsets.copy_to_host(), offsets)
+    np.testing.assert_array_equal(scratch.sorted_rows.copy_to_host()[:P], rows)
+    np.testing.assert_array_equal(scratch.sorted_slot.copy_to_host()[:P], slots)
+    np.testing.assert_array_equal(scratch.pos_of.copy_to_host()[:M], pos_of)
+    assert scratch.n_active.copy_to_host()[0] == len(active)
+    np.testing.assert_array_equal(scratch.active.copy_to_host()[: len(active)], active)
+    assert scratch.counter.copy_to_host()[0] == 0 and not scratch.tickets.copy_to_host().any()
+
+
+# simulator launch shapes beside the default one: odd tiles (1-warp blocks, 1-2 rows per warp, 3-token
+# tiles, 3 words in flight, 5 experts per down block, no streaming hint) so that every partial-tile
+# and partial-word path runs, and a wide one (4-warp blocks, 8 rows per warp)
+V2_SIM_TILES = {
+    "default": None,
+    "odd": moe.V2Tiles(nw=1, nr=2, u=1, tt=1, tt_s=3, u_l=1, nw_c=1, nr_c=2, tt_c=3, u_c=3, jc=1, cs=False,
+                       cs_s=False),
+    "wide": moe.V2Tiles(nw=4, nr=8, u=3, tt=3, tt_s=1, u_l=3, nw_c=3, nr_c=1, tt_c=1, u_c=1, jc=5, cs=True,
+                        cs_s=True),
+}
+_V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+                   moe_intermediate_size=12, hidden_size=20)
+_V2_SKEW = dict(n_routed_experts=7, num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
+                norm_topk_prob=False, routed_scaling_factor=1.0, moe_intermediate_size=12, hidden_size=20)
+_V2_DECODE = dict(n_routed_experts=16, num_experts_per_tok=6, n_group=1, topk_group=1, n_shared_experts=0)
+V2_CASES = [
+    # cfg overrides, dtype, M, accumulate, skew (bias pushes every token onto experts 0..k), tiles.
+    # M * k > threads of the routing block (64 default, 32 odd): the grouping runs several chunks.
+    (_V2_GROUPED, BF16, 17, True, False, "default"),
+    (_V2_SKEW, np.float32, 11, False, True, "default"),
+    (_V2_SKEW, np.float32, 11, False, True, "odd"),
+    (_V2_DECODE, BF16, 1, True, False, "default"),
+    (_V2_DECODE, BF16, 1, True, False, "wide"),
+    (_V2_GROUPED, np.float32, 2, False, False, "wide"),
+]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("overrides,dtype,M,accumulate,skew,tiles", V2_CASES)
+def test_moe_forward_v2(rng, overrides, dtype, M, accumulate, skew, tiles):
+    """Version 2 against the float64 layer, its routing / grouping state against the references
+    (more pairs than threads of the routing block, experts with more tokens than a tile when skewed,
+    odd E, D and I with partial tiles). With the default tiles a second forward on the same scratch
+    must give a bit-identical output (tickets reset, nothing order-dependent)."""
+    cfg = _cfg(**overrides)
+    w = _layer_weights(rng, cfg)
+    if skew:
+        w[PREFIX + "gate.e_score_correction_bias"][: cfg.num_experts_per_tok + 1] += 3.0
+    b = _draw_b(rng, cfg, w, M)
+    x0 = rng.standard_normal((M, cfg.hidden_size)).astype(np.float32) if accumulate else None
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, dtype)
+    run = dict(M_max=M + 2, accumulate=accumulate, x0=x0, version=2, tiles=V2_SIM_TILES[tiles], layer=layer)
+    got, scratch = _run_forward(cfg, w, b, dtype, **run)
+    base = x0.astype(np.float64) if accumulate else 0.0
+    ref_w = w if dtype == np.float32 else _rounded(w)
+    bound = FP32_BOUND if dtype == np.float32 else BF16_BOUND
+    assert rel_err(got, base + MoE(cfg, ref_w, PREFIX, np.float64)(b.astype(np.float64))) < bound
+    _check_v2_state(cfg, b, w, scratch, M)
+    if skew:
+        assert scratch.counts.copy_to_host().max() > 2 * max(2, (V2_SIM_TILES[tiles] or moe.v2_tiles(M, 3)).tt)
+    if tiles == "default":
+        again, _ = _run_forward(cfg, w, b, dtype, **run)
+        np.testing.assert_array_equal(again, got)
+
+
+def test_v2_tiles_and_fallback():
+    """Launch shapes depend on M alone (CUDA graphs); M * k above V2_MAX_PAIRS runs version 1."""
+    for M in (1, 2, 5, 16, 17, 64, 256):
+        assert moe.v2_tiles(M, 8) == moe.v2_tiles(M, 8)
+    cfg = _cfg()
+    layer = moe.MoEWeights.from_hf(cfg, _layer_weights(np.random.default_rng(0), cfg), PREFIX, BF16)
+    big = moe.V2_MAX_PAIRS // cfg.num_experts_per_tok + 1
+    scratch = moe.MoEScratch.allocate(cfg, big)
+    assert moe._v2_supported(layer, scratch, big - 1) and not moe._v2_supported(layer, scratch, big)
 
 
 def test_pack_experts_layout(rng):
@@ -318,12 +410,12 @@ def test_pack_experts_layout(rng):
 
 
 # ---- real shapes (H200) ---------------------------------------------------------------------------
-def _time_forward(layer, scratch, d_b, out, M, reps=5):
-    moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False)
+def _time_forward(layer, scratch, d_b, out, M, reps=5, version=None):
+    moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False, version=version)
     cuda.synchronize()
     t = time.perf_counter()
     for _ in range(reps):
-        moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False)
+        moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False, version=version)
     cuda.synchronize()
     return (time.perf_counter() - t) / reps
 
@@ -340,9 +432,10 @@ def moonlight():
 
 @pytest.mark.kernels
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("M", [1, 16, 64, 256])
-def test_moe_forward_moonlight(rng, moonlight, dtype, M):
+def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     cfg, w, cache = moonlight
     if dtype not in cache:  # device weights and float64 references, once per dtype
         ref_w = w if dtype == np.float32 else _rounded(w)
@@ -354,13 +447,15 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M):
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))
     d_b = cuda.to_device(b)
-    moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False)
+    moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False, version=version)
     got = out.copy_to_host()
     want = ref(b.astype(np.float64))
     bound = FP32_BOUND if dtype == np.float32 else BF16_BOUND
     err = rel_err(got, want)
-    dt = _time_forward(layer, scratch, d_b, out, M)
-    print(f"moonlight {np.dtype(dtype).name} M={M}: rel_err {err:.2e}, {dt * 1e6:.0f} us/forward")
+    if version == 2 and M * cfg.num_experts_per_tok <= moe.V2_MAX_PAIRS:
+        _check_v2_state(cfg, b, w, scratch, M)
+    dt = _time_forward(layer, scratch, d_b, out, M, version=version)
+    print(f"moonlight {np.dtype(dtype).name} M={M} v{version}: rel_err {err:.2e}, {dt * 1e6:.0f} us/forward")
     assert err < bound
     if dtype == BF16:
         assert rel_err(got, cache["fp32_ref"](b.astype(np.float64))) < BF16_VS_FP32_BOUND
@@ -412,10 +507,12 @@ def test_moe_forward_kimi_k2_bf16(rng):
     w_route = {PREFIX + "gate.weight": gate, PREFIX + "gate.e_score_correction_bias": bias}
     for M in (1, 16, 64):
         b = _draw_b(rng, cfg, w_route, M)
-        out = cuda.to_device(poisoned((M, D)))
         d_b = cuda.to_device(b)
-        moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False)
-        err = rel_err(out.copy_to_host(), ref(b.astype(np.float64)))
-        dt = _time_forward(layer, scratch, d_b, out, M)
-        print(f"kimi-k2 bf16 M={M}: rel_err {err:.2e}, {dt * 1e6:.0f} us/forward")
-        assert err < BF16_BOUND
+        want = ref(b.astype(np.float64))
+        for version in (1, 2):  # both versions on the same device weights (34 GB, built once)
+            out = cuda.to_device(poisoned((M, D)))
+            moe.moe_forward(d_b, layer, scratch, out, M=M, accumulate=False, version=version)
+            err = rel_err(out.copy_to_host(), want)
+            dt = _time_forward(layer, scratch, d_b, out, M, version=version)
+            print(f"kimi-k2 bf16 M={M} v{version}: rel_err {err:.2e}, {dt * 1e6:.0f} us/forward")
+            assert err < BF16_BOUND

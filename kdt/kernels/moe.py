@@ -27,15 +27,33 @@ rows and the matching up rows) and a tile of ``tt`` tokens whose ``nr * tt`` acc
 registers (every loop over them has compile-time bounds); lanes split the input dimension and the
 sums are reduced with warp shuffles (shared memory under the simulator). (nr, tt) = (4, 8) for
 fp32 and (8, 4) for bf16 weights (``_TILE``, measured on an H200).
+
+The above is **version 1** (8 launches). **Version 2** (``VERSION`` / env ``KDT_MOE_VERSION``,
+``moe_forward(..., version=)``; by default for M <= ``V2_MAX_M`` = 1 only, where it measured 1.23-1.32x
+faster on the H200, while at M = 16 / 64 it is 0.8-0.9x / 0.45-0.62x of version 1) computes the same
+layer in three launches:
+
+A. router logits + the shared experts' gate_up + (in the logits block that takes the last atomic
+   ticket) the routing and the grouping of the M*k pairs, so the router's serial work hides behind
+   the shared gate_up instead of costing three launches;
+B. the routed experts' gate_up (grouped: block = row tile x active-expert slot) + the shared down;
+C. the routed down: block = row tile of D x a chunk of active experts; the last block of each row tile
+   (ticket) combines it, slot order, no float atomics, ``out (+)= y_shared + sum_slot w * y``.
+
+Activations that version 2 reads as GEMM inputs are stored word-permuted (one 128-byte wavefront per
+lane group instead of 4 strided loads per weight word), weights are loaded with the streaming cache
+hint, and the tiles (``V2Tiles``, chosen by :func:`v2_tiles` from M alone, so CUDA graphs capture it)
+are specialised for 1, <= 4, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
-from numba import boolean, cuda, float32, int32, int64, uint64
+from numba import boolean, cuda, float32, float64, int32, int64, uint64
 
 from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, register_ptx
 
@@ -633,6 +651,644 @@ def moe_combine(y_sorted, pos_of, topk_w, out, accumulate: bool = True, M: int |
         y_sorted, pos_of, topk_w, out, bool(accumulate))
 
 
+# ---- version 2: the layer in three launches --------------------------------------------------------
+# A  route:   router logits (fp32 gate) + b permuted for B + the shared experts' gate_up (other blocks of
+#             the same launch); the logits block that finishes last (atomic ticket) routes the M tokens
+#             and groups the M*k pairs by expert (the old router + moe_group, in that one block).
+# B  gate_up: routed experts' gate_up, grouped (block = row tile x active-expert slot) + the shared
+#             experts' down projection into y_shared (other blocks of the same launch).
+# C  down:    block = NR_C rows of D for *every* active expert (equal work per block), then the
+#             deterministic combine of those rows: out[m] (+)= y_shared[m] + sum_slot w * y[pos_of[m, slot]].
+# Activations that a GEMM reads as X are kept "word-permuted" (b_perm, h, h_shared): element d of a row
+# lies at (d % EPW) * (K / EPW) + d // EPW, so for each element jj of a weight word the 32 lanes read 32
+# consecutive floats (one 128-byte wavefront) instead of 32 floats 8-16 bytes apart.
+_V2_RWARPS = 4  # warps of the routing block that route tokens (one token each at a time)
+_V2_P_TAIL = 2048  # pairs M*k the routing block can group (shared-memory stage); more -> version 1
+V2_MAX_PAIRS = _V2_P_TAIL
+# The default dispatch runs version 2 up to this many tokens. Measured on the H200 (scripts/bench_moe.py,
+# bf16, docs/perf/moe-v1-v2-2026-11-29-bf16.json): v2 / v1 speed-up 1.32x (Moonlight) and 1.23x (Kimi)
+# at M = 1, but 0.90x / 0.80x at M = 16 and 0.62x / 0.45x at M = 64, so v2 serves the decode step only.
+V2_MAX_M = int(os.environ.get("KDT_MOE_V2_MAX_M", "1"))
+_V2_NRL = 2  # router-gate rows per logits block (all its warps split D)
+# Default version of moe_forward. Prediction (H200, bf16): 2 is faster at every M it takes. M=1
+# Moonlight: 3 launches instead of 8, the router's latency hidden behind the shared gate_up, every
+# GEMM with >= ~1000 warps in flight (v1's shared down had 256) -> ~45 us vs 121 us (138 MB at ~85% of
+# copy + 3 launch gaps). M=16/64: X read as 128-byte wavefronts (v1: 4 strided loads per word), tiles of 8
+# tokens at M=64 (~6 tokens per expert: each weight row once), one combine per down tile.
+VERSION = int(os.environ.get("KDT_MOE_VERSION", "2"))
+
+if IS_SIM:
+
+    def _ldcg2(a, i, j):
+        return a[i, j]
+
+    def _ldcs3(a, i, j, k):
+        return a[i, j, k]
+
+else:
+    # the intrinsic behind cuda.ldcg: its @overload wrapper compiles through a device dispatcher that
+    # asks the driver for the current device, which the sm_90 compile check (no GPU) cannot answer
+    from numba.cuda.cache_hints import ldcg_intrinsic, ldcs_intrinsic
+
+    @_device
+    def _ldcg2(a, i, j):
+        """a[i, j] through L2 only (ld.global.cg): data written by other blocks of the same launch."""
+        return ldcg_intrinsic(a, (int64(i), int64(j)))
+
+    @_device
+    def _ldcs3(a, i, j, k):
+        """a[i, j, k] with the streaming hint (ld.global.cs, evict first): weights, read once, so that
+        they do not push the activations that every warp of the block re-reads out of L1."""
+        return ldcs_intrinsic(a, (int64(i), int64(j), int64(k)))
+
+
+def _v2_mm(epw: int, nr: int, tt: int, u: int, perm: bool, ks: int, cs: bool):
+    """Device function ``mm(W, e, wr, X, xrow, nt, kq, lane, acc, wbuf, wv)``: per-lane partial sums
+    acc[r*tt + t] = sum over this lane's words w of W[e, wr[r], w] . X[xrow[t], elements of w], t < nt.
+    Lane words: kq*32 + lane + i*32*ks (ks warps split the row); u words per row are loaded before any
+    is used. ``perm``: X is word-permuted (see above), else natural [rows, K]. ``cs``: weight loads
+    with the streaming cache hint."""
+    unpack = _unpacker(epw)
+    EPW, NR, TT, U, PERM, STRIDE, CS = epw, nr, tt, u, perm, WARP * ks, cs
+
+    @_device
+    def mm(W, e, wr, X, xrow, nt, kq, lane, acc, wbuf, wv):
+        Kw = W.shape[2]
+        for i in range(NR * TT):
+            acc[i] = float32(0.0)
+        for base in range(kq * WARP + lane, Kw, U * STRIDE):
+            for q in range(U):
+                w = base + q * STRIDE
+                if w < Kw:
+                    for r in range(NR):
+                        wbuf[q * NR + r] = _ldcs3(W, e, wr[r], w) if CS else W[e, wr[r], w]
+            for q in range(U):
+                w = base + q * STRIDE
+                if w < Kw:
+                    for jj in range(EPW):
+                        for r in range(NR):
+                            wv[r] = unpack(wbuf[q * NR + r], jj)
+                        col = jj * Kw + w if PERM else w * EPW + jj
+                        for t in range(TT):
+                            if t < nt:
+                                xv = X[xrow[t], col]
+                                for r in range(NR):
+                                    acc[r * TT + t] += wv[r] * xv
+
+    return mm
+
+
+def _v2_reduce(nr: int, tt: int):
+    """Device function ``reduce(acc, nt, red, warp, lane)``: the warp sums of acc (t < nt) to every lane."""
+    if IS_SIM:
+        return _warp_allsum_vec
+    NR, TT = nr, tt
+
+    @_device
+    def reduce(acc, nt, red, warp, lane):
+        for t in range(TT):
+            if t < nt:
+                for r in range(NR):
+                    acc[r * TT + t] = _warp_allsum(acc[r * TT + t])
+
+    return reduce
+
+
+def _v2_pick(nr: int, tt: int):
+    """Device function ``pick(acc, sel, lane)``: sel[r] = acc[r*tt + lane] (lane < tt), with
+    compile-time acc indices so that acc stays in registers."""
+    NR, TT = nr, tt
+
+    @_device
+    def pick(acc, sel, lane):
+        for i in range(NR * TT):
+            if lane == i % TT:
+                sel[i // TT] = acc[i]
+
+    return pick
+
+
+@_device
+def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm, scale, sh_c, sh_g,
+                    red_v, red_i, w, lane, topk_idx, topk_w, sh_idx):
+    """Route token m with warp w (the old router kernel's algorithm; logits read through L2). Writes
+    topk_idx[m], topk_w[m] and sh_idx[m*k + r] only when ``valid``."""
+    one = float32(1.0)
+    for e in range(lane, E, WARP):
+        s = one / (one + math.exp(-_ldcg2(logits, m, e)))
+        sh_c[w, e] = s + bias[e]
+    _warp_sync()
+    if n_group > 1:
+        gs = E // n_group
+        if lane < n_group:
+            b1 = _NEG_INF
+            b2 = _NEG_INF
+            for e in range(lane * gs, lane * gs + gs):
+                v = sh_c[w, e]
+                if v > b1:
+                    b2 = b1
+                    b1 = v
+                elif v > b2:
+                    b2 = v
+            sh_g[w, lane] = b1 + b2
+        _warp_sync()
+        if lane < n_group:
+            mine = sh_g[w, lane]
+            rank = 0
+            for q in range(n_group):
+                o = sh_g[w, q]
+                if o > mine or (o == mine and q < lane):
+                    rank += 1
+            if rank >= topk_group:
+                for e in range(lane * gs, lane * gs + gs):
+                    sh_c[w, e] = _NEG_INF
+        _warp_sync()
+    taken = int32(0)  # bit i: expert lane + 32 i already chosen
+    wsum = float32(0.0)
+    n_sweep = (E + WARP - 1) // WARP
+    for r in range(top_k):
+        bv = _NEG_INF
+        bi = int32(E_MAX)
+        for i in range(n_sweep):  # runtime bound: not unrolled (registers)
+            e = lane + WARP * i
+            if e < E and ((taken >> i) & 1) == 0:
+                v = sh_c[w, e]
+                if v > bv or (v == bv and bi == E_MAX):
+                    bv = v
+                    bi = int32(e)
+        bv, bi = _warp_argmax(bv, bi, red_v, red_i, w, lane)
+        if lane == bi % WARP:
+            taken |= int32(1) << (bi // WARP)
+        sv = one / (one + math.exp(-_ldcg2(logits, m, bi)))  # = the s above, bit for bit
+        wsum += sv
+        if lane == 0 and valid:
+            topk_idx[m, r] = bi
+            topk_w[m, r] = sv
+            sh_idx[m * top_k + r] = bi
+    if lane == 0 and valid:
+        sc = float32(scale)
+        for r in range(top_k):
+            v = topk_w[m, r]
+            if norm:
+                v = v / (wsum + _EPS_NORM)
+            topk_w[m, r] = v * sc
+
+
+_V2_CACHE: dict[tuple, object] = {}
+
+
+def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool):
+    """Kernel A (see the section comment). Grid: nlb logits blocks (``_V2_NRL`` gate rows each, the
+    nw warps split D), then the shared gate_up blocks (nw warps x nr_s/2 outputs each, all M tokens in
+    tiles of tt_s). The tail runs in the logits block that takes the last ticket."""
+    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s)
+    if key in _V2_CACHE:
+        return _V2_CACHE[key]
+    if IS_SIM and nw > _V2_RWARPS:
+        raise ValueError("simulator: every warp of the routing block must route (barrier pairing)")
+    NW, NT, EPWB, EPWS, NRS, TTS = nw, nw * WARP, epw_b, epw_s, nr_s, tt_s
+    NRL, TTL = _V2_NRL, tt_s
+    NOS = NRS // 2
+    NACCL, NACCS = NRL * TTL, NRS * TTS
+    WBL, WBS = u_l * NRL, u_s * NRS
+    RWP = min(NW, _V2_RWARPS)
+    EPT = max(1, E_MAX // NT)  # experts per thread in the scans
+    SCAN_N = E_MAX // EPT  # threads that scan
+    RED_L = (NW, NACCL, WARP) if IS_SIM else (1, 1, 1)
+    RED_S = (NW, NACCS, WARP) if IS_SIM else (1, 1, 1)
+    RRED = (_V2_RWARPS, WARP) if IS_SIM else (1, 1)
+    mm_l = _v2_mm(2, NRL, TTL, u_l, False, NW, cs_s)
+    red_l = _v2_reduce(NRL, TTL)
+    mm_s = _v2_mm(EPWS, NRS, TTS, u_s, False, 1, cs_s)
+    red_s = _v2_reduce(NRS, TTS)
+    pick_s = _v2_pick(NRS, TTS)
+
+    def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
+             sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        bid = cuda.blockIdx.x
+        xrow = cuda.local.array(TTL, int32)
+        if bid < nlb:
+            # ---- router logits[m, e0 .. e0+NRL) for all M tokens; the NW warps split D -------------
+            redl = cuda.shared.array(RED_L, float32)
+            red2 = cuda.shared.array((NW, NACCL), float32)
+            flag = cuda.shared.array(1, int32)
+            accl = cuda.local.array(NACCL, float32)
+            wrl = cuda.local.array(NRL, int64)
+            wbl = cuda.local.array(WBL, uint64)
+            wvl = cuda.local.array(NRL, float32)
+            E = gate.shape[1]
+            e0 = bid * NRL
+            for r in range(NRL):
+                wrl[r] = min(e0 + r, E - 1)
+            for p0 in range(0, M, TTL):
+                nt = min(TTL, M - p0)
+                for t in range(TTL):
+                    xrow[t] = p0 + t if t < nt else 0
+                mm_l(gate, 0, wrl, b, xrow, nt, warp, lane, accl, wbl, wvl)
+                red_l(accl, nt, redl, warp, lane)
+                if lane == 0:
+                    for i in range(NACCL):
+                        red2[warp, i] = accl[i]
+                cuda.syncthreads()
+                if tid < NACCL:
+                    r = tid // TTL
+                    t = tid % TTL
+                    if t < nt and e0 + r < E:
+                        s = red2[0, tid]
+                        for q in range(1, NW):
+                            s += red2[q, tid]
+                        logits[p0 + t, e0 + r] = s
+                cuda.syncthreads()
+            # ---- b -> b_perm (kernel B's activations), spread over the logits blocks ---------------
+            D = b.shape[1]
+            Kwb = D // EPWB
+            for i in range(bid * NT + tid, M * D, nlb * NT):
+                m = i // D
+                d = i % D
+                b_perm[m, (d % EPWB) * Kwb + d // EPWB] = b[m, d]
+            # ---- ticket: the last logits block routes -------------------------------------------------
+            cuda.threadfence()
+            cuda.syncthreads()
+            if tid == 0:
+                flag[0] = 1 if cuda.atomic.add(counter, 0, 1) == nlb - 1 else 0
+            cuda.syncthreads()
+            if flag[0] == 0:
+                return
+            cuda.threadfence()
+            sh_c = cuda.shared.array((RWP, E_MAX), float32)
+            sh_g = cuda.shared.array((RWP, G_MAX), float32)
+            red_v = cuda.shared.array(RRED, float32)
+            red_i = cuda.shared.array(RRED, int32)
+            sh_idx = cuda.shared.array(_V2_P_TAIL, int32)
+            cnt = cuda.shared.array(E_MAX, int32)
+            cur = cuda.shared.array(E_MAX, int32)
+            scan_v = cuda.shared.array(SCAN_N, int32)
+            scan_a = cuda.shared.array(SCAN_N, int32)
+            P = M * top_k
+            for i in range(tid, E_MAX, NT):
+                cnt[i] = 0
+            if warp < RWP:
+                for m0 in range(0, M, RWP):
+                    m = m0 + warp
+                    _v2_route_token(logits, bias, min(m, M - 1), m < M, E, n_group, topk_group, top_k, norm,
+                                    scale, sh_c, sh_g, red_v, red_i, warp, lane, topk_idx, topk_w, sh_idx)
+            cuda.syncthreads()
+            # ---- group the P pairs by expert (counting sort, token order within an expert) ----------
+            for i in range(tid, P, NT):
+                cuda.atomic.add(cnt, sh_idx[i], 1)
+            cuda.syncthreads()
+            sv = 0
+            sa = 0
+            if tid < SCAN_N:
+                for q in range(EPT):
+                    c = cnt[tid * EPT + q]
+                    sv += c
+                    sa += 1 if c > 0 else 0
+                scan_v[tid] = sv
+                scan_a[tid] = sa
+            cuda.syncthreads()
+            off = 1
+            while off < SCAN_N:  # Hillis-Steele inclusive scans of per-thread counts / active experts
+                tv = 0
+                ta = 0
+                if tid >= off and tid < SCAN_N:
+                    tv = scan_v[tid - off]
+                    ta = scan_a[tid - off]
+                cuda.syncthreads()
+                if tid < SCAN_N:
+                    scan_v[tid] += tv
+                    scan_a[tid] += ta
+                cuda.syncthreads()
+                off *= 2
+            if tid < SCAN_N:
+                run_v = scan_v[tid] - sv
+                run_a = scan_a[tid] - sa
+                for q in range(EPT):
+                    e = tid * EPT + q
+                    c = cnt[e]
+                    cur[e] = run_v
+                    if e < E:
+                        counts[e] = c
+                        offsets[e] = run_v
+                        if c > 0:
+                            active[run_a] = e
+                    run_v += c
+                    run_a += 1 if c > 0 else 0
+            if tid == 0:
+                offsets[E] = P
+                n_active[0] = scan_a[SCAN_N - 1]
+            cuda.syncthreads()
+            for c0 in range(0, P, NT):  # chunks of NT pairs in flat order; cur[e] = next free position
+                i = c0 + tid
+                c1 = min(c0 + NT, P)
+                e = 0
+                pos = 0
+                last = False
+                if i < P:
+                    e = sh_idx[i]
+                    before = 0
+                    last = True
+                    for q in range(c0, c1):
+                        if sh_idx[q] == e:
+                            if q < i:
+                                before += 1
+                            elif q > i:
+                                last = False
+                    pos = cur[e] + before
+                    m = i // top_k
+                    s = i % top_k
+                    sorted_rows[pos] = m
+                    sorted_slot[pos] = s
+                    pos_of[m, s] = pos
+                cuda.syncthreads()
+                if last:
+                    cur[e] = pos + 1
+                cuda.syncthreads()
+            if tid == 0:
+                counter[0] = 0  # every ticket of this launch is taken: ready for the next launch
+        else:
+            # ---- shared experts' gate_up: h_shared[m, perm(o)] = silu(g . b_m) * (u . b_m) ------------
+            reds = cuda.shared.array(RED_S, float32)
+            accs = cuda.local.array(NACCS, float32)
+            wrs = cuda.local.array(NRS, int64)
+            wbs = cuda.local.array(WBS, uint64)
+            wvs = cuda.local.array(NRS, float32)
+            sel = cuda.local.array(NRS, float32)
+            Is = sgu.shape[1] // 2
+            Kws = Is // EPWS
+            obase = ((bid - nlb) * NW + warp) * NOS
+            for r in range(NOS):
+                wrs[r] = min(obase + r, Is - 1)
+                wrs[NOS + r] = wrs[r] + Is
+            for p0 in range(0, M, TTS):
+                nt = min(TTS, M - p0)
+                for t in range(TTS):
+                    xrow[t] = p0 + t if t < nt else 0
+                mm_s(sgu, 0, wrs, b, xrow, nt, 0, lane, accs, wbs, wvs)
+                red_s(accs, nt, reds, warp, lane)
+                if lane < nt:
+                    pick_s(accs, sel, lane)
+                    for r in range(NOS):
+                        o = obase + r
+                        if o < Is:
+                            g = sel[r]
+                            h_shared[p0 + lane, (o % EPWS) * Kws + o // EPWS] = \
+                                g / (float32(1.0) + math.exp(-g)) * sel[NOS + r]
+
+    kern.__name__ = f"moe2_route_nw{nw}_b{epw_b}_s{epw_s}_nr{nr_s}_tt{tt_s}_u{u_s}_ul{u_l}{'_cs' if cs_s else ''}"
+    k = cuda.jit(kern)
+    _V2_CACHE[key] = k
+    return k
+
+
+def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool):
+    """Kernel B. Grid: J * ntg routed blocks (slot j = bid // ntg of the active experts, output tile
+    x = bid % ntg: nw warps x nr/2 outputs), then the shared-down blocks (nw warps x nr rows of D, all M
+    tokens in tiles of tt_s). Routed blocks with j >= n_active exit at once (J = min(E, M k) is the
+    host-known worst case)."""
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s)
+    if key in _V2_CACHE:
+        return _V2_CACHE[key]
+    NW, EPW, NR, TT, TTS = nw, epw, nr, tt, tt_s
+    NO = NR // 2
+    TMAX = max(TT, TTS)
+    WB, NACC, NACCS = u * NR, NR * TT, NR * TTS
+    RED_R = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
+    RED_S = (NW, NR * TTS, WARP) if IS_SIM else (1, 1, 1)
+    mm_r = _v2_mm(EPW, NR, TT, u, True, 1, cs)
+    red_r = _v2_reduce(NR, TT)
+    pick_r = _v2_pick(NR, TT)
+    mm_s = _v2_mm(EPW, NR, TTS, u, True, 1, cs_s)
+    red_s = _v2_reduce(NR, TTS)
+    pick_s = _v2_pick(NR, TTS)
+
+    def kern(b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg, J):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        bid = cuda.blockIdx.x
+        xrow = cuda.local.array(TMAX, int32)
+        wr = cuda.local.array(NR, int64)
+        wb = cuda.local.array(WB, uint64)
+        wv = cuda.local.array(NR, float32)
+        sel = cuda.local.array(NR, float32)
+        if bid < J * ntg:
+            j = bid // ntg
+            if j >= n_active[0]:
+                return
+            red = cuda.shared.array(RED_R, float32)
+            acc = cuda.local.array(NACC, float32)
+            e = int64(active[j])
+            start = int64(offsets[e])
+            end = start + counts[e]
+            I = wgu.shape[1] // 2
+            Kwh = I // EPW
+            obase = ((bid % ntg) * NW + warp) * NO
+            for r in range(NO):
+                wr[r] = min(obase + r, I - 1)
+                wr[NO + r] = wr[r] + I
+            for p0 in range(start, end, TT):
+                nt = min(TT, end - p0)
+                for t in range(TT):
+                    xrow[t] = sorted_rows[p0 + t] if t < nt else 0
+                mm_r(wgu, e, wr, b_perm, xrow, nt, 0, lane, acc, wb, wv)
+                red_r(acc, nt, red, warp, lane)
+                if lane < nt:
+                    pick_r(acc, sel, lane)
+                    for r in range(NO):
+                        o = obase + r
+                        if o < I:
+                            g = sel[r]
+                            h[p0 + lane, (o % EPW) * Kwh + o // EPW] = \
+                                g / (float32(1.0) + math.exp(-g)) * sel[NO + r]
+        else:
+            reds = cuda.shared.array(RED_S, float32)
+            accs = cuda.local.array(NACCS, float32)
+            D = sdn.shape[1]
+            obase = ((bid - J * ntg) * NW + warp) * NR
+            for r in range(NR):
+                wr[r] = min(obase + r, D - 1)
+            for p0 in range(0, M, TTS):
+                nt = min(TTS, M - p0)
+                for t in range(TTS):
+                    xrow[t] = p0 + t if t < nt else 0
+                mm_s(sdn, 0, wr, h_shared, xrow, nt, 0, lane, accs, wb, wv)
+                red_s(accs, nt, reds, warp, lane)
+                if lane < nt:
+                    pick_s(accs, sel, lane)
+                    for r in range(NR):
+                        o = obase + r
+                        if o < D:
+                            y_shared[p0 + lane, o] = sel[r]
+
+    kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
+                     f"{'_css' if cs_s else ''}")
+    k = cuda.jit(kern)
+    _V2_CACHE[key] = k
+    return k
+
+
+def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
+    """Kernel C. Block b = x * n_chunks + c: rows [x*R, x*R + R) of D (R = nw * nr, nr per warp) for
+    the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
+    expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
+    tickets[x] back to 0 after) combines the tile for the M tokens in slot order (no float atomics):
+    out[m, d] (+)= y_shared[m, d] + sum_slot topk_w[m, slot] * y[pos_of[m, slot], d]."""
+    key = ("C", nw, epw, nr, tt, u, cs)
+    if key in _V2_CACHE:
+        return _V2_CACHE[key]
+    NW, NT, EPW, NR, TT, R = nw, nw * WARP, epw, nr, tt, nw * nr
+    RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
+    WB, NACC = u * NR, NR * TT
+    mm = _v2_mm(EPW, NR, TT, u, True, 1, cs)
+    red_f = _v2_reduce(NR, TT)
+    pick = _v2_pick(NR, TT)
+
+    def kern(h, wdn, y, active, n_active, offsets, counts, pos_of, topk_w, y_shared, out, tickets, M, jc,
+             n_chunks, accumulate, has_shared):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        red = cuda.shared.array(RED, float32)
+        flag = cuda.shared.array(1, int32)
+        acc = cuda.local.array(NACC, float32)
+        xrow = cuda.local.array(TT, int32)
+        wr = cuda.local.array(NR, int64)
+        wb = cuda.local.array(WB, uint64)
+        wv = cuda.local.array(NR, float32)
+        sel = cuda.local.array(NR, float32)
+        D = wdn.shape[1]
+        x = cuda.blockIdx.x // n_chunks
+        c = cuda.blockIdx.x % n_chunks
+        d0 = x * R + warp * NR
+        for r in range(NR):
+            wr[r] = min(d0 + r, D - 1)
+        for j in range(c * jc, min((c + 1) * jc, int64(n_active[0]))):
+            e = int64(active[j])
+            start = int64(offsets[e])
+            end = start + counts[e]
+            for p0 in range(start, end, TT):
+                nt = min(TT, end - p0)
+                for t in range(TT):
+                    xrow[t] = p0 + t if t < nt else 0
+                mm(wdn, e, wr, h, xrow, nt, 0, lane, acc, wb, wv)
+                red_f(acc, nt, red, warp, lane)
+                if lane < nt:
+                    pick(acc, sel, lane)
+                    for r in range(NR):
+                        if d0 + r < D:
+                            y[p0 + lane, d0 + r] = sel[r]
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            flag[0] = 1 if cuda.atomic.add(tickets, x, 1) == n_chunks - 1 else 0
+        cuda.syncthreads()
+        if flag[0] == 0:
+            return
+        cuda.threadfence()
+        k = pos_of.shape[1]
+        for i in range(tid, M * R, NT):
+            m = i // R
+            d = x * R + i % R
+            if d < D:
+                s_acc = float32(0.0)
+                for s in range(k):
+                    s_acc += topk_w[m, s] * _ldcg2(y, pos_of[m, s], d)
+                v = out[m, d] if accumulate else float32(0.0)
+                if has_shared:
+                    v = v + y_shared[m, d]
+                out[m, d] = v + s_acc
+        if tid == 0:
+            tickets[x] = 0
+
+    kern.__name__ = f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}"
+    k = cuda.jit(kern)
+    _V2_CACHE[key] = k
+    return k
+
+
+@dataclass(frozen=True)
+class V2Tiles:
+    """Launch shapes of version 2 (all host-known). nw: warps per block of kernels A and B; nr / u:
+    weight rows per warp (gated: half gate, half up) / words per row per lane in flight, kernels A
+    (shared gate_up) and B; tt: tokens per register tile of the routed experts (kernel B); tt_s: of the
+    shared experts and the router logits (all M tokens); u_l: words in flight of the logits; nw_c / nr_c
+    / tt_c / u_c: kernel C (nw_c * nr_c rows of D per block), jc: active experts per block of kernel C;
+    cs: routed weights loaded with the streaming (evict-first) cache hint; cs_s: the same for the
+    shared experts and the router gate, which are re-read once per token tile when M > tt_s (so
+    v2_tiles sets it only when M <= tt_s)."""
+
+    nw: int = 4
+    nr: int = 4
+    u: int = 4
+    tt: int = 1
+    tt_s: int = 1
+    u_l: int = 4
+    nw_c: int = 4
+    nr_c: int = 4
+    tt_c: int = 1
+    u_c: int = 4
+    jc: int = 1
+    cs: bool = True
+    cs_s: bool = True
+
+
+def v2_tiles(M: int, top_k: int) -> V2Tiles:
+    """Default launch shapes for M tokens (predictions for the H200, see ``VERSION``).
+
+    M = 1: one token per expert; 4 rows x 4 words in flight per warp (16 x 8 B per lane; at ~16-20
+    warps per SM ~64-80 KB in flight, what HBM3e needs at ~1 us latency); kernel C one expert per
+    block (Moonlight 128 row tiles x 6 experts = 768 blocks). M <= 16: ~1-2 tokens per expert, tiles
+    of 4. Larger M: ~6 tokens per expert at Moonlight M=64, a tile of 8 tokens reads each routed
+    weight row once per forward; 2 words in flight (the FMA work hides the latency) keep the tiles in
+    registers (4 x 8 x 4 x 2 FMAs per unrolled step; 4 words spilled the accumulators to local memory)."""
+    if IS_SIM:  # every simulated thread is a Python thread; small tiles exercise the tile loops
+        return V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, cs_s=M <= 2)
+    if M <= 1:
+        return V2Tiles(nw=4, nr=4, u=4, tt=1, tt_s=1, u_l=4, nw_c=4, nr_c=4, tt_c=1, u_c=4, jc=1)
+    if M <= 4:
+        return V2Tiles(nw=4, nr=4, u=4, tt=2, tt_s=4, u_l=4, nw_c=4, nr_c=4, tt_c=2, u_c=4, jc=1)
+    if M <= 16:
+        return V2Tiles(nw=4, nr=4, u=4, tt=4, tt_s=4, u_l=4, nw_c=4, nr_c=4, tt_c=4, u_c=4, jc=2, cs_s=False)
+    return V2Tiles(nw=4, nr=4, u=2, tt=8, tt_s=8, u_l=2, nw_c=4, nr_c=4, tt_c=8, u_c=2, jc=4, cs_s=False)
+
+
+def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Tiles | None) -> None:
+    E, k, I, D = L.E, L.top_k, L.I, L.D
+    t = tiles or v2_tiles(M, k)
+    epw = L._epw
+    P = M * k
+    J = min(E, P)
+    has_shared = L._sgu is not None
+    nlb = cdiv(E, _V2_NRL)
+    if has_shared:
+        Is = L._sgu.shape[1] // 2
+        nsg = cdiv(cdiv(Is, t.nr // 2), t.nw)
+        sgu, sdn, hs = L._sgu, L._sdn, S.h_shared
+        nsd = cdiv(cdiv(D, t.nr), t.nw)
+    else:
+        nsg = nsd = 0
+        sgu, sdn, hs = L._gu, L._dn, S.b_perm  # never read (no blocks use them)
+    ka = _v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s)
+    ka[nlb + nsg, t.nw * WARP, stream](
+        b, L._gate, L.bias, S.logits, S.b_perm, sgu, hs, S.topk_idx, S.topk_w, S.counts, S.offsets,
+        S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter, int(M), int(L.n_group),
+        int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb))
+    ntg = cdiv(cdiv(I, t.nr // 2), t.nw)
+    kb = _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s)
+    kb[J * ntg + nsd, t.nw * WARP, stream](
+        S.b_perm, L._gu, S.h, S.active, S.n_active, S.offsets, S.counts, S.sorted_rows, hs, sdn, S.y_shared,
+        int(M), int(ntg), int(J))
+    n_chunks = cdiv(J, t.jc)
+    kc = _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs)
+    kc[cdiv(D, t.nw_c * t.nr_c) * n_chunks, t.nw_c * WARP, stream](
+        S.h, L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
+        S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared))
+
+
 # ---- host-side packing, weights and scratch -------------------------------------------------------
 def _to_weight_dtype(a: np.ndarray, dtype) -> np.ndarray:
     dt = np.dtype(dtype)
@@ -741,6 +1397,10 @@ class MoEScratch:
     h: object  # [P_max, I] f32
     y: object  # [P_max, D] f32
     h_shared: object | None  # [M_max, I * n_shared] f32
+    b_perm: object = None  # [M_max, D] f32 (version 2: b word-permuted)
+    y_shared: object = None  # [M_max, D] f32 (version 2: the shared experts' output)
+    counter: object = None  # [1] int32, zero between launches (version 2: tickets of the logits blocks)
+    tickets: object = None  # [D] int32, zero between launches (version 2: tickets per row tile of D)
 
     @classmethod
     def allocate(cls, cfg, M_max: int, stream=0) -> MoEScratch:
@@ -756,16 +1416,34 @@ class MoEScratch:
         return cls(M_max=int(M_max), logits=f32(M_max, E), topk_idx=i32(M_max, k), topk_w=f32(M_max, k),
                    counts=i32(E), offsets=i32(E + 1), sorted_rows=i32(P), sorted_slot=i32(P),
                    pos_of=i32(M_max, k), active=i32(E), n_active=i32(1), h=f32(P, I), y=f32(P, D),
-                   h_shared=f32(M_max, I * cfg.n_shared_experts) if cfg.n_shared_experts else None)
+                   h_shared=f32(M_max, I * cfg.n_shared_experts) if cfg.n_shared_experts else None,
+                   b_perm=f32(M_max, D), y_shared=f32(M_max, D),
+                   counter=cuda.to_device(np.zeros(1, dtype=np.int32), stream=stream),
+                   tickets=cuda.to_device(np.zeros(D, dtype=np.int32), stream=stream))
+
+
+def _v2_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
+    """Version 2 runs this layer at M tokens (else version 1 does)."""
+    same_dtype = L._sgu is None or np.dtype(L.shared_gate_up.dtype) == np.dtype(L.w_gate_up.dtype)
+    return (M * L.top_k <= V2_MAX_PAIRS and S.counter is not None and S.tickets is not None and same_dtype
+            and L.E <= E_MAX and L.top_k <= K_MAX and L.n_group <= G_MAX)
 
 
 def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = None,
-                accumulate: bool = True, stream=0) -> None:
+                accumulate: bool = True, stream=0, version: int | None = None,
+                tiles: V2Tiles | None = None) -> None:
     """out[M, D] (+)= moe(b[M, D]) (SPEC section 1) entirely on the GPU, no host synchronisation.
 
-    Launch sequence: router_logits -> moe_router -> moe_group -> expert_gate_up -> expert_down ->
-    (shared experts: dense gate_up, dense down into out) -> moe_combine. Grids depend only on M and
-    the config, so the sequence can be captured in a CUDA graph per M. b[>= M, D] f32, out[>= M, D] f32.
+    ``version`` (default: module ``VERSION``, env ``KDT_MOE_VERSION``):
+
+    - 1: router_logits -> moe_router -> moe_group -> expert_gate_up -> expert_down -> (shared experts:
+      dense gate_up, dense down into out) -> moe_combine (8 launches).
+    - 2: three launches (route + shared gate_up | routed gate_up + shared down | routed down + combine,
+      see the "version 2" section); M * k > ``V2_MAX_PAIRS`` falls back to version 1. ``tiles``
+      overrides :func:`v2_tiles` (benchmarks).
+
+    Grids depend only on M and the config, so the sequence can be captured in a CUDA graph per M.
+    b[>= M, D] f32, out[>= M, D] f32.
     """
     M = b.shape[0] if M is None else int(M)
     if M > scratch.M_max:
@@ -773,6 +1451,12 @@ def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = 
     if M <= 0:
         return
     L, S = layer, scratch
+    use_v2 = version == 2 if version is not None else (VERSION == 2 and M <= V2_MAX_M)
+    if use_v2 and _v2_supported(L, S, M):
+        if L.n_group > 1 and (L.E % L.n_group or L.E // L.n_group < 2 or not 1 <= L.topk_group <= L.n_group):
+            raise ValueError(f"moe_forward: E={L.E}, n_group={L.n_group}, topk_group={L.topk_group}")
+        _moe_forward_v2(b, L, S, out, M, accumulate, stream, tiles)
+        return
     E, k, I, D = L.E, L.top_k, L.I, L.D
     P = M * k
     _launch_mm(b, L._gate, 2, S.logits, E, M, gated=False, grouped=False, gather=False, ks=4,
@@ -809,6 +1493,22 @@ def _register() -> None:
                                      int32[::1], int32[:, ::1], int32[::1], int32[::1]))
     register_ptx(_moe_combine_kernel, (float32[:, ::1], int32[:, ::1], float32[:, ::1], float32[:, ::1],
                                        boolean))
-
+    if IS_SIM:  # the GPU launch shapes below are not simulator shapes (see v2_tiles)
+        return
+    f2, i1, i2, u3 = float32[:, ::1], int32[::1], int32[:, ::1], uint64[:, :, ::1]
+    sig_a = (f2, u3, float32[::1], f2, f2, u3, f2, i2, f2, i1, i1, i1, i1, i2, i1, i1, i1, int64, int64, int64,
+             int64, boolean, float64, int64)
+    sig_b = (f2, u3, f2, i1, i1, i1, i1, i1, f2, u3, f2, int64, int64, int64)
+    sig_c = (f2, u3, f2, i1, i1, i1, i1, i2, f2, f2, f2, i1, int64, int64, int64, boolean, boolean)
+    seen: set[int] = set()
+    for epw in (2, 4):
+        for M in (1, 4, 16, 64):
+            t = v2_tiles(M, 8)
+            for kern, sig in ((_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s), sig_a),
+                              (_v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s), sig_b),
+                              (_v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs), sig_c)):
+                if id(kern) not in seen:  # the factories cache: one object per launch shape
+                    seen.add(id(kern))
+                    register_ptx(kern, sig)
 
 _register()

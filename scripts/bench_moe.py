@@ -1,0 +1,116 @@
+"""MoE layer, version 1 (8 launches) vs version 2 (3 launches), GPU time only, on the H200.
+
+    python scripts/bench_moe.py [--presets moonlight-16b-a3b,kimi-k2] [--M 1,16,64] [--dtype bf16]
+                                [--sweep] [--json PATH]
+
+Per preset and M: us per moe_forward, GB/s of the bytes that must move once (the distinct routed
+experts the M random tokens select + the shared experts + the fp32 router gate; same model as
+``python -m kdt.kernels.bench``), % of the device copy bandwidth measured in the same run, speed-up
+over version 1, and the relative difference of each output to version 1's (a wrong kernel shows up
+here as ~1e-1 or nan; the tests' bound against float64 is 1e-5). ``--sweep`` adds version-2 launch
+shapes beside the default (``kdt.kernels.moe.V2Tiles``) so one run picks the best. Every new launch
+shape compiles its kernels first (5-30 s each), outside the timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from numba import cuda  # noqa: E402
+
+from kdt.config import preset  # noqa: E402
+from kdt.kernels import moe  # noqa: E402
+from kdt.kernels.bench import copy_bandwidth, rand, time_us  # noqa: E402
+
+
+def sweep_variants(M: int, k: int) -> list[tuple[str, moe.V2Tiles]]:
+    """Version-2 launch shapes tried beside the default with --sweep (name, tiles)."""
+    t = moe.v2_tiles(M, k)
+    r = dataclasses.replace
+    if M <= 1:
+        return [("rows2_words8", r(t, nr=2, u=8)), ("8warps", r(t, nw=8)), ("no_cs", r(t, cs=False, cs_s=False)),
+                ("C_rows8_words2", r(t, nr_c=8, u_c=2)), ("C_8warps", r(t, nw_c=8)),
+                ("C_2experts", r(t, jc=2))]
+    if M <= 16:
+        return [("tt2", r(t, tt=2, tt_c=2)), ("C_4experts", r(t, jc=4))]
+    return [("rows8_tt4", r(t, nr=8, tt=4, tt_s=4, nr_c=8, tt_c=4)), ("C_8experts", r(t, jc=8)),
+            ("words1", r(t, u=1, u_c=1, u_l=1)), ("C_2warps", r(t, nw_c=2))]
+
+
+def bench_preset(name: str, Ms: list[int], dtype: str, sweep: bool, bw: float) -> list[dict]:
+    cfg = preset(name)
+    wdt, wb = (np.uint16, 2) if dtype == "bf16" else (np.float32, 4)
+    E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    Is = I * cfg.n_shared_experts
+    layer = moe.MoEWeights(
+        gate_w=rand((E, D), np.float32, 2 / np.sqrt(D)), bias=rand((E,), np.float32, 0.05),
+        w_gate_up=rand((E, 2 * I, D), wdt, 1 / np.sqrt(D)), w_down=rand((E, D, I), wdt, 1 / np.sqrt(I)),
+        shared_gate_up=rand((1, 2 * Is, D), wdt, 1 / np.sqrt(D)) if Is else None,
+        shared_down=rand((1, D, Is), wdt, 1 / np.sqrt(Is)) if Is else None, n_group=cfg.n_group,
+        topk_group=cfg.topk_group, top_k=k, norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor)
+    scratch = moe.MoEScratch.allocate(cfg, max(Ms))
+    rows = []
+    for M in Ms:
+        b, out = rand((M, D)), cuda.device_array((M, D), np.float32)
+        variants: list[tuple[str, int, moe.V2Tiles | None]] = [("v1", 1, None), ("v2", 2, None)]
+        if sweep:
+            variants += [(f"v2 {n}", 2, t) for n, t in sweep_variants(M, k)]
+        ref = None
+        us_v1 = None
+        for vname, version, tiles in variants:
+            t0 = time.perf_counter()
+            moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles)
+            got = out.copy_to_host()  # compiles (first use) and checks, untimed
+            n_active = int(scratch.n_active.copy_to_host()[0])
+            t_compile = time.perf_counter() - t0
+            if ref is None:
+                ref = got.astype(np.float64)
+            diff = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+            us = time_us(lambda i, v=version, t=tiles, M=M, b=b, out=out:
+                         moe.moe_forward(b, layer, scratch, out, M=M, version=v, tiles=t))
+            us_v1 = us_v1 or us
+            nbytes = (n_active + cfg.n_shared_experts) * 3 * D * I * wb + 4 * E * D
+            gbs = nbytes / us * 1e-3
+            row = dict(preset=name, M=M, variant=vname, us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / bw,
+                       speedup_vs_v1=us_v1 / us, rel_diff_vs_v1=diff, n_active=n_active,
+                       tiles=dataclasses.asdict(tiles or moe.v2_tiles(M, k)) if version == 2 else None)
+            rows.append(row)
+            print(f"{name:18s} {M:3d} {vname:16s} {us:8.1f} {gbs:7.0f} {row['pct_copy']:6.0f}% "
+                  f"{us_v1 / us:5.2f}x {diff:11.1e}   ({n_active} experts, first call {t_compile:.0f} s)",
+                  flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default="moonlight-16b-a3b,kimi-k2")
+    ap.add_argument("--M", default="1,16,64")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "float32"))
+    ap.add_argument("--sweep", action="store_true", help="also time version-2 launch-shape variants")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    print(f"{'preset':18s} {'M':>3s} {'variant':16s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s} {'vs v1':>6s} "
+          f"{'rel diff v1':>11s}", flush=True)
+    for name in args.presets.split(","):
+        rows += bench_preset(name, [int(m) for m in args.M.split(",")], args.dtype, args.sweep, bw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bandwidth_GBps": bw / 1e9, "dtype": args.dtype, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
