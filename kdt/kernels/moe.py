@@ -432,6 +432,37 @@ _NEG_INF = float32(-np.inf)
 _EPS_NORM = float32(1e-20)
 
 
+@_device
+def _mask_groups(sh_c, sh_g, w, lane, E, n_group, topk_group):
+    """Group-limited routing for warp w's token (both router versions): the score of group g is the sum
+    of its two largest ``sh_c[w, e]``; all but the ``topk_group`` best groups (ties to the lower group)
+    get their experts' choice scores set to -inf. Lane g handles group g."""
+    gs = E // n_group
+    if lane < n_group:
+        b1 = _NEG_INF
+        b2 = _NEG_INF
+        for e in range(lane * gs, lane * gs + gs):
+            v = sh_c[w, e]
+            if v > b1:
+                b2 = b1
+                b1 = v
+            elif v > b2:
+                b2 = v
+        sh_g[w, lane] = b1 + b2
+    _warp_sync()
+    if lane < n_group:
+        mine = sh_g[w, lane]
+        rank = 0
+        for q in range(n_group):
+            o = sh_g[w, q]
+            if o > mine or (o == mine and q < lane):
+                rank += 1
+        if rank >= topk_group:
+            for e in range(lane * gs, lane * gs + gs):
+                sh_c[w, e] = _NEG_INF
+    _warp_sync()
+
+
 @cuda.jit
 def _moe_router_kernel(logits, bias, M, n_group, topk_group, top_k, norm, scale, topk_idx, topk_w):
     """One warp per token m < M: logits[M, E] f32, bias[E] f32 -> topk_idx[M, k] int32, topk_w[M, k] f32.
@@ -460,30 +491,7 @@ def _moe_router_kernel(logits, bias, M, n_group, topk_group, top_k, norm, scale,
         sh_c[w, e] = s + bias[e]
     _warp_sync()
     if n_group > 1:
-        gs = E // n_group
-        if lane < n_group:
-            b1 = _NEG_INF
-            b2 = _NEG_INF
-            for e in range(lane * gs, lane * gs + gs):
-                v = sh_c[w, e]
-                if v > b1:
-                    b2 = b1
-                    b1 = v
-                elif v > b2:
-                    b2 = v
-            sh_g[w, lane] = b1 + b2
-        _warp_sync()
-        if lane < n_group:
-            mine = sh_g[w, lane]
-            rank = 0
-            for q in range(n_group):
-                o = sh_g[w, q]
-                if o > mine or (o == mine and q < lane):
-                    rank += 1
-            if rank >= topk_group:
-                for e in range(lane * gs, lane * gs + gs):
-                    sh_c[w, e] = _NEG_INF
-        _warp_sync()
+        _mask_groups(sh_c, sh_g, w, lane, E, n_group, topk_group)
     taken = int32(0)  # bit i: expert lane + 32 i already chosen
     wsum = float32(0.0)
     for r in range(top_k):
@@ -779,30 +787,7 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
         sh_c[w, e] = s + bias[e]
     _warp_sync()
     if n_group > 1:
-        gs = E // n_group
-        if lane < n_group:
-            b1 = _NEG_INF
-            b2 = _NEG_INF
-            for e in range(lane * gs, lane * gs + gs):
-                v = sh_c[w, e]
-                if v > b1:
-                    b2 = b1
-                    b1 = v
-                elif v > b2:
-                    b2 = v
-            sh_g[w, lane] = b1 + b2
-        _warp_sync()
-        if lane < n_group:
-            mine = sh_g[w, lane]
-            rank = 0
-            for q in range(n_group):
-                o = sh_g[w, q]
-                if o > mine or (o == mine and q < lane):
-                    rank += 1
-            if rank >= topk_group:
-                for e in range(lane * gs, lane * gs + gs):
-                    sh_c[w, e] = _NEG_INF
-        _warp_sync()
+        _mask_groups(sh_c, sh_g, w, lane, E, n_group, topk_group)
     taken = int32(0)  # bit i: expert lane + 32 i already chosen
     wsum = float32(0.0)
     n_sweep = (E + WARP - 1) // WARP
