@@ -4,6 +4,7 @@ Simulator shapes use the "micro" preset (H 2, Rkv 16, dr 4, dn = dv = 8) with Ya
 ``gpu`` shapes use Kimi K2 / Moonlight dims (Rkv 512, dr 64, dn = dv = 128, H 64 / 16).
 Bounds: float32 weights rel_err < 1e-5; bf16 weights < 1e-5 against the reference on the
 bf16-rounded weights (float64 math) and < 1e-2 against the unrounded float32 weights.
+Every kernel family is checked in both versions (``version`` 1 and 2, kdt.kernels.mla section 6).
 """
 
 from __future__ import annotations
@@ -92,28 +93,40 @@ def attention_inputs(rng, cfg, L: int, M: int, extra: int = 3):
     return q_abs, q_pe, c_kv, k_pe, vis, scale
 
 
-def run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=None, scratch=None):
+def run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=None, scratch=None, version=None,
+                  params=None, device_L=False):
+    """o_lat of mla_attention (``params``: a v2 geometry (G, A, NW, VPL, CG[, PF]) instead of the
+    default one; ``device_L``: L passed as a device scalar, as in the engine's CUDA graphs)."""
     M, H, Rkv = q_abs.shape
     o_d = cuda.to_device(poisoned((M, H, Rkv)))
-    mla.mla_attention(cuda.to_device(q_abs), cuda.to_device(q_pe), cuda.to_device(c_kv), cuda.to_device(k_pe),
-                      L, cuda.to_device(vis.astype(np.uint8)), scale, o_d, scratch=scratch, n_splits=n_splits)
+    args = (cuda.to_device(q_abs), cuda.to_device(q_pe), cuda.to_device(c_kv), cuda.to_device(k_pe),
+            cuda.to_device(np.array([L], np.int64)) if device_L else L, cuda.to_device(vis.astype(np.uint8)),
+            scale, o_d)
+    if params is not None:
+        if scratch is None and n_splits is not None and n_splits > 1:  # NaN: a split read unwritten fails
+            scratch = cuda.to_device(poisoned(mla.mla_scratch_size(M, H, Rkv, n_splits)))
+        mla._mla_attention_v2(*args, scratch, n_splits, 0, params=params)
+    else:
+        mla.mla_attention(*args, scratch=scratch, n_splits=n_splits, version=version)
     return o_d.copy_to_host()
 
 
-def check_attention(rng, cfg, L, M, n_splits=None, general_vis=False):
+def check_attention(rng, cfg, L, M, n_splits=None, general_vis=False, version=None, params=None,
+                    device_L=False):
     q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
     if general_vis:  # any pattern with a visible diagonal, e.g. rows that do not see slot L
         vis = rng.random((M, M)) < 0.5
         vis[np.arange(M), np.arange(M)] = True
         vis[1:, 0] = False
-    o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=n_splits)
+    o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=n_splits, version=version,
+                      params=params, device_L=device_L)
     ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
     err = rel_err(o, ref)
-    assert err < F32_BOUND, (L, M, n_splits, err)
+    assert err < F32_BOUND, (L, M, n_splits, version, params, err)
     return err
 
 
-def run_chain(rng, cfg, L, M, wdtype, interleave, extra=2):
+def run_chain(rng, cfg, L, M, wdtype, interleave, extra=2, version=None):
     """kv_latent_write -> q_absorb -> mla_attention -> uv_project against ops.mla_attention_absorbed."""
     H, dn, dr, dv, Rkv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                           cfg.kv_lora_rank)
@@ -135,11 +148,11 @@ def run_chain(rng, cfg, L, M, wdtype, interleave, extra=2):
     c_kv_d, k_pe_d, pos_d, cos_d, sin_d = d(c_kv), d(k_pe), d(positions), d(cos_tab), d(sin_tab)
     mla.kv_latent_write(d(c), d(norm_w), cfg.rms_norm_eps, pos_d, cos_d, sin_d, L, c_kv_d, k_pe_d, interleave)
     q_abs_d, q_pe_d = d(poisoned((M, H, Rkv))), d(poisoned((M, H, dr)))
-    mla.q_absorb(d(q), kv_b_d, pos_d, cos_d, sin_d, interleave, q_abs_d, q_pe_d)
+    mla.q_absorb(d(q), kv_b_d, pos_d, cos_d, sin_d, interleave, q_abs_d, q_pe_d, version=version)
     o_lat_d = d(poisoned((M, H, Rkv)))
-    mla.mla_attention(q_abs_d, q_pe_d, c_kv_d, k_pe_d, L, d(vis.astype(np.uint8)), scale, o_lat_d)
+    mla.mla_attention(q_abs_d, q_pe_d, c_kv_d, k_pe_d, L, d(vis.astype(np.uint8)), scale, o_lat_d, version=version)
     o_d = d(poisoned((M, H * dv)))
-    mla.uv_project(o_lat_d, kv_b_d, o_d)
+    mla.uv_project(o_lat_d, kv_b_d, o_d, version=version)
     o = o_d.copy_to_host()
 
     f = np.float64
@@ -202,7 +215,7 @@ def test_kv_latent_write_bf16_norm(rng):
 
 
 # ---- 2. q_absorb ------------------------------------------------------------------------------------
-def check_q_absorb(rng, cfg, M, wdtype, interleave):
+def check_q_absorb(rng, cfg, M, wdtype, interleave, version=None):
     H, dn, dr, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     L = 7
     positions = (L + rng.integers(0, M + 1, size=M)).astype(np.int64)
@@ -211,7 +224,7 @@ def check_q_absorb(rng, cfg, M, wdtype, interleave):
     q = rng.standard_normal((M, H * (dn + dr))).astype(np.float32)
     q_abs_d, q_pe_d = cuda.to_device(poisoned((M, H, Rkv))), cuda.to_device(poisoned((M, H, dr)))
     d = cuda.to_device
-    mla.q_absorb(d(q), kv_b_d, d(positions), d(cos_tab), d(sin_tab), interleave, q_abs_d, q_pe_d)
+    mla.q_absorb(d(q), kv_b_d, d(positions), d(cos_tab), d(sin_tab), interleave, q_abs_d, q_pe_d, version=version)
     q_abs, q_pe = q_abs_d.copy_to_host(), q_pe_d.copy_to_host()
     qr = q.astype(np.float64).reshape(M, H, dn + dr)
     cos, sin = ops.rope_cos_sin(cfg, positions, np.float64)
@@ -227,17 +240,18 @@ def check_q_absorb(rng, cfg, M, wdtype, interleave):
 @pytest.mark.kernels
 @pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
-def test_q_absorb(rng, M, wdtype):
-    check_q_absorb(rng, micro_cfg(), M, wdtype, interleave=(M == 1))
+@pytest.mark.parametrize("version", [1, 2])
+def test_q_absorb(rng, M, wdtype, version):
+    check_q_absorb(rng, micro_cfg(), M, wdtype, interleave=(M == 1), version=version)
 
 
 # ---- 4. uv_project ----------------------------------------------------------------------------------
-def check_uv_project(rng, cfg, M, wdtype):
+def check_uv_project(rng, cfg, M, wdtype, version=None):
     H, dv, Rkv = cfg.num_attention_heads, cfg.v_head_dim, cfg.kv_lora_rank
     kv_b_d, kv_b, kv_b_raw = weights(rng, cfg, wdtype, 0.1)
     o_lat = rng.standard_normal((M, H, Rkv)).astype(np.float32)
     o_d = cuda.to_device(poisoned((M, H * dv)))
-    mla.uv_project(cuda.to_device(o_lat), kv_b_d, o_d)
+    mla.uv_project(cuda.to_device(o_lat), kv_b_d, o_d, version=version)
     o = o_d.copy_to_host()
     _, W_uv = split_kv_b(kv_b, cfg)
     err = rel_err(o, np.einsum("mhr,hvr->mhv", o_lat.astype(np.float64), W_uv).reshape(M, H * dv))
@@ -251,55 +265,102 @@ def check_uv_project(rng, cfg, M, wdtype):
 @pytest.mark.kernels
 @pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
-def test_uv_project(rng, M, wdtype):
-    check_uv_project(rng, micro_cfg(), M, wdtype)
+@pytest.mark.parametrize("version", [1, 2])
+def test_uv_project(rng, M, wdtype, version):
+    check_uv_project(rng, micro_cfg(), M, wdtype, version=version)
 
 
 # ---- 3. mla_attention -------------------------------------------------------------------------------
 @pytest.mark.kernels
 @pytest.mark.parametrize("L,M", [(0, 1), (0, 3), (5, 1), (5, 3), (40, 1), (40, 3)])
-def test_mla_attention(rng, L, M):
-    check_attention(rng, micro_cfg(), L, M)
+@pytest.mark.parametrize("version", [1, 2])
+def test_mla_attention(rng, L, M, version):
+    check_attention(rng, micro_cfg(), L, M, version=version)
 
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("L,M,n_splits", [(40, 1, 4), (40, 3, 3), (5, 3, 2), (0, 3, 2)])
-def test_mla_attention_split(rng, L, M, n_splits):
+@pytest.mark.parametrize("version", [1, 2])
+def test_mla_attention_split(rng, L, M, n_splits, version):
     """Flash-decoding path: a small forced split size (BT-aligned chunks of the key range) + combine."""
-    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits)
+    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits, version=version)
 
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("L,M,n_splits", [(0, 3, 1), (6, 3, 1), (6, 3, 2)])
-def test_mla_attention_general_vis(rng, L, M, n_splits):
+@pytest.mark.parametrize("version", [1, 2])
+def test_mla_attention_general_vis(rng, L, M, n_splits, version):
     """Non-tree visibility: slot L+j visible iff vis[m, j], whatever the pattern."""
-    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits, general_vis=True)
+    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits, general_vis=True, version=version)
 
 
 @pytest.mark.kernels
-def test_mla_attention_split_scratch(rng):
+@pytest.mark.parametrize("version", [1, 2])
+def test_mla_attention_split_scratch(rng, version):
     """Caller-provided scratch (the graph-capture path), and a too-small scratch is refused."""
     cfg = micro_cfg()
     L, M, S = 21, 2, 3
     H, Rkv = cfg.num_attention_heads, cfg.kv_lora_rank
     q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
     scratch = cuda.to_device(poisoned(mla.mla_scratch_size(M, H, Rkv, S)))
-    o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=S, scratch=scratch)
+    o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=S, scratch=scratch, version=version)
     ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
     assert rel_err(o, ref) < F32_BOUND
     with pytest.raises(ValueError):
-        run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=S, scratch=cuda.to_device(
+        run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=S, version=version, scratch=cuda.to_device(
             np.zeros(mla.mla_scratch_size(M, H, Rkv, S) - 1, np.float32)))
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("L,M,n_splits", [(2, 1, 9), (9, 3, 7), (40, 2, 6), (40, 1, 25)])
+def test_mla_attention_v2_device_L_empty_splits(rng, L, M, n_splits):
+    """v2 as the engine calls it: L on the device, more splits than the keys fill (splits past L+M
+    never written, the scratch NaN-poisoned: the combine must derive and skip them), both loops of
+    the combine (several splits per warp, a tail)."""
+    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits, version=2, device_L=True)
+    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits, general_vis=True, device_L=True,
+                    params=mla._attn2_params(2, 16, 4) + (0,))
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("params", [
+    (4, 2, 2, 1, 2, 0), (4, 2, 2, 1, 2, 1), (4, 2, 2, 1, 2, 2),  # prefetch modes
+    (4, 2, 2, 2, 1, 2),  # VPL = 2 scores per lane (BT = 4), one column group
+    (4, 1, 2, 1, 2, 2),  # one head per warp (BT = 4, 4 lanes per row)
+    (8, 2, 1, 1, 1, 2),  # G = 8: padded feature tile (F = 20 -> 24 columns), one warp
+    (4, 1, 8, 1, 4, 2),  # 8 warps, 32 threads > Rkv: the general tile-staging path; 4 column groups
+    (2, 2, 1, 1, 1, 2),  # BT = 1 key per tile, 2 lanes
+])
+def test_mla_attention_v2_geometries(rng, params):
+    """Other v2 tilings than the default: prefetch modes, lanes per row, tile widths; H = 3 with 2 or
+    4 heads per block (a partial last head group)."""
+    cfg = micro_cfg(num_attention_heads=3)
+    check_attention(rng, cfg, 9, 3, params=params)
+    check_attention(rng, cfg, 9, 2, n_splits=3, params=params, device_L=True)
+
+
+def test_mla_num_splits_v2():
+    """v2 splits: whole waves of BLOCKS_PER_SM_V2 blocks per SM, >= MIN_KEYS_PER_SPLIT_V2 keys each."""
+    slots = mla.BLOCKS_PER_SM_V2 * mla._num_sms()
+    for H, M in ((16, 1), (16, 16), (16, 64), (64, 1), (64, 3), (128, 1)):
+        S = mla.mla_num_splits(1 << 20, M, H, version=2)
+        R = mla._attn2_geometry(512, 64, *mla._attn2_params(H, 512, 64))["R"]
+        blocks = S * M * -(-H // R)
+        assert 1 <= S <= mla.MAX_SPLITS_V2 and (blocks <= slots or S == 1), (H, M, S)
+        assert S == 1 or (S + 1) * M * -(-H // R) > slots or S == mla.MAX_SPLITS_V2
+    assert mla.mla_num_splits(0, 1, 16, version=2) == 1
+    assert mla.mla_num_splits(40, 1, 16, version=2) == -(-41 // mla.MIN_KEYS_PER_SPLIT_V2)
+
+
+@pytest.mark.kernels
 def test_mla_attention_head_groups(rng, monkeypatch):
-    """Several heads per lane group (A = 2) and a partial last head group (H = 3 with 2 heads/block)."""
+    """v1: several heads per lane group (A = 2) and a partial last head group (H = 3 with 2 heads/block);
+    (v2's: test_mla_attention_v2_geometries)."""
     cfg = micro_cfg(num_attention_heads=3)
     G = mla._attn_params(3, cfg.kv_lora_rank, cfg.qk_rope_head_dim)[0]
     monkeypatch.setattr(mla, "_attn_params", lambda H, Rkv, dr: (G, 2, 1, 4))
-    check_attention(rng, cfg, 9, 3)
-    check_attention(rng, cfg, 9, 2, n_splits=2)
+    check_attention(rng, cfg, 9, 3, version=1)
+    check_attention(rng, cfg, 9, 2, n_splits=2, version=1)
 
 
 @pytest.mark.kernels
@@ -318,9 +379,10 @@ def test_mla_attention_wrong_kernel_is_caught(rng):
 @pytest.mark.kernels
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
-def test_mla_chain(rng, interleave, wdtype):
+@pytest.mark.parametrize("version", [1, 2])
+def test_mla_chain(rng, interleave, wdtype, version):
     cfg = micro_cfg(rope_interleave=interleave)
-    o, refs, _ = run_chain(rng, cfg, 13, 3, wdtype, interleave)
+    o, refs, _ = run_chain(rng, cfg, 13, 3, wdtype, interleave, version=version)
     assert rel_err(o, refs["kernel_weights"]) < (F32_BOUND if wdtype == "f32" else BF16_ROUNDED_BOUND)
     if wdtype == "bf16":
         assert rel_err(o, refs["unrounded"]) < BF16_UNROUNDED_BOUND
@@ -353,15 +415,31 @@ GPU_ATT = [(H, L, M) for H in (16, 64) for L in (0, 512, 8192) for M in (1, 16, 
 @pytest.mark.gpu
 @pytest.mark.kernels
 @pytest.mark.parametrize("H,L,M", GPU_ATT)
-def test_mla_attention_gpu(rng, H, L, M):
-    check_attention(rng, real_cfg(H), L, M)
+@pytest.mark.parametrize("version", [1, 2])
+def test_mla_attention_gpu(rng, H, L, M, version):
+    check_attention(rng, real_cfg(H), L, M, version=version)
 
 
 @pytest.mark.gpu
 @pytest.mark.kernels
 @pytest.mark.parametrize("H,L,M,n_splits", [(64, 8192, 16, 1), (64, 512, 1, 2), (16, 8192, 64, 7)])
-def test_mla_attention_gpu_forced_splits(rng, H, L, M, n_splits):
-    check_attention(rng, real_cfg(H), L, M, n_splits=n_splits)
+@pytest.mark.parametrize("version", [1, 2])
+def test_mla_attention_gpu_forced_splits(rng, H, L, M, n_splits, version):
+    check_attention(rng, real_cfg(H), L, M, n_splits=n_splits, version=version)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("H,L,M", [(16, 0, 1), (16, 512, 1), (16, 8192, 1), (64, 512, 3), (16, 512, 64),
+                                   (4, 100, 2)])
+def test_mla_attention_gpu_v2_engine_splits(rng, H, L, M):
+    """v2 as the engine calls it: device L, splits from max_len = 8192 + 64 (most of them empty at
+    small L), and the other prefetch modes at the default tiling; H = 4 (one warp per block)."""
+    cfg = real_cfg(H)
+    S = mla.mla_num_splits(8192 + 64, M, H, version=2)
+    check_attention(rng, cfg, L, M, n_splits=S, version=2, device_L=True)
+    for pf in (0, 1):
+        check_attention(rng, cfg, L, M, n_splits=S, device_L=True, params=mla._attn2_params(H, 512, 64) + (pf,))
 
 
 @pytest.mark.gpu
@@ -375,12 +453,13 @@ def test_kv_latent_write_gpu(rng, L, M):
 @pytest.mark.gpu
 @pytest.mark.kernels
 @pytest.mark.parametrize("H", [16, 64])
-@pytest.mark.parametrize("M", [1, 16, 256])
+@pytest.mark.parametrize("M", [1, 2, 16, 256])
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
-def test_q_absorb_uv_project_gpu(rng, H, M, wdtype):
+@pytest.mark.parametrize("version", [1, 2])
+def test_q_absorb_uv_project_gpu(rng, H, M, wdtype, version):
     cfg = real_cfg(H)
-    check_q_absorb(rng, cfg, M, wdtype, interleave=(M != 16))
-    check_uv_project(rng, cfg, M, wdtype)
+    check_q_absorb(rng, cfg, M, wdtype, interleave=(M != 16), version=version)
+    check_uv_project(rng, cfg, M, wdtype, version=version)
 
 
 @pytest.mark.gpu
@@ -388,9 +467,10 @@ def test_q_absorb_uv_project_gpu(rng, H, M, wdtype):
 @pytest.mark.parametrize("H,L,M", [(16, 512, 16), (64, 0, 1), (64, 512, 16), (16, 8192, 1)])
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_mla_chain_gpu(rng, H, L, M, wdtype, interleave):
+@pytest.mark.parametrize("version", [1, 2])
+def test_mla_chain_gpu(rng, H, L, M, wdtype, interleave, version):
     cfg = real_cfg(H, rope_interleave=interleave)
-    o, refs, _ = run_chain(rng, cfg, L, M, wdtype, interleave)
+    o, refs, _ = run_chain(rng, cfg, L, M, wdtype, interleave, version=version)
     assert rel_err(o, refs["kernel_weights"]) < (F32_BOUND if wdtype == "f32" else BF16_ROUNDED_BOUND)
     if wdtype == "bf16":
         assert rel_err(o, refs["unrounded"]) < BF16_UNROUNDED_BOUND

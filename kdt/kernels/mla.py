@@ -21,15 +21,23 @@ otherwise NeoX halves (i, i+dr/2).
 All wrappers take device arrays and preallocated outputs plus ``stream=0``, launch, and return None
 (no host sync). Lane-group reductions use warp shuffles on the GPU and a shared-memory emulation of
 ``shfl_xor`` under the simulator (``IS_SIM``), with the same code path otherwise.
+
+Versions (llm.c style, side by side): q_absorb, mla_attention (+ its combine and
+:func:`mla_num_splits`) and uv_project take ``version=1|2``; the default is :data:`VERSION`
+(env ``KDT_MLA_VERSION``, default 2). v1 is sections 2-4; v2 is section 6 (why v1 is slow at small
+M, the v2 design and its predicted times are there). Both compute the same sums up to fp32
+reassociation.
 """
 
 from __future__ import annotations
 
 import functools
+import linecache
 import math
+import os
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint8, uint16
+from numba import cuda, float32, int32, int64, uint8, uint16, uint64
 
 from kdt.kernels.common import IS_SIM, cdiv, device_scalar, register_ptx, weight_loader
 
@@ -228,16 +236,21 @@ def _q_absorb_kernel(wdtype: str, dn: int, TM: int, NT: int = _QA_NT):
     return q_absorb_kernel
 
 
-def q_absorb(q, kv_b, positions, cos_tab, sin_tab, interleave: bool, q_abs, q_pe, stream=0) -> None:
+def q_absorb(q, kv_b, positions, cos_tab, sin_tab, interleave: bool, q_abs, q_pe, stream=0,
+             version: int | None = None) -> None:
     """q_abs[m,h,r] = sum_{d<dn} q[m, h*(dn+dr)+d] * kv_b[h*(dn+dv)+d, r];  q_pe[m,h] = rope(q[m,h,dn:]).
 
     q[M, H*(dn+dr)] f32; kv_b[H*(dn+dv), Rkv] f32 or bf16 (uint16); positions[M] int64;
     cos_tab, sin_tab[max_pos, dr/2] f32; outputs q_abs[M, H, Rkv] f32, q_pe[M, H, dr] f32.
-    The softmax scale is not applied here (mla_attention takes it).
+    The softmax scale is not applied here (mla_attention takes it). ``version``: 1 or 2 (default
+    :data:`VERSION`, env ``KDT_MLA_VERSION``).
     """
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     if M == 0:
+        return
+    if _version(version) == 2:
+        _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream)
         return
     dn = q.shape[1] // H - dr
     TM = _q_absorb_tm(M)
@@ -514,9 +527,17 @@ def _num_sms() -> int:
         return 132
 
 
-def mla_num_splits(L: int, M: int, H: int, Rkv: int = 512, dr: int = 64) -> int:
-    """Splits of the key range [0, L+M) the wrapper uses by default: enough blocks for about two
-    waves on the device, at least MIN_KEYS_PER_SPLIT keys per split, at most MAX_SPLITS."""
+def mla_num_splits(L: int, M: int, H: int, Rkv: int = 512, dr: int = 64, version: int | None = None) -> int:
+    """Splits of the key range [0, L+M) the wrapper uses by default. v1: enough blocks for about two
+    waves on the device, at least MIN_KEYS_PER_SPLIT keys per split, at most MAX_SPLITS. v2: about
+    BLOCKS_PER_SM_V2 blocks per SM, at least MIN_KEYS_PER_SPLIT_V2 keys per split, at most
+    MAX_SPLITS_V2 (the engine passes max_len as L: splits past the device L stay empty)."""
+    if _version(version) == 2:
+        _, A2, NW2, _, _ = _attn2_params(H, Rkv, dr)
+        # whole waves: as many splits as fit beside each other (M=64 on 264 slots: 4 splits, 256
+        # blocks, not 5 = 320 blocks = a second wave of 56)
+        want = (BLOCKS_PER_SM_V2 * _num_sms()) // max(1, cdiv(H, NW2 * A2) * M)
+        return int(max(1, min(want, cdiv(L + M, MIN_KEYS_PER_SPLIT_V2), MAX_SPLITS_V2)))
     _, A, NW, _ = _attn_params(H, Rkv, dr)
     base = cdiv(H, NW * A) * M
     T = L + M
@@ -530,7 +551,7 @@ def mla_scratch_size(M: int, H: int, Rkv: int, n_splits: int) -> int:
 
 
 def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch=None,
-                  n_splits: int | None = None, stream=0) -> None:
+                  n_splits: int | None = None, stream=0, version: int | None = None) -> None:
     """o_lat[m,h] = sum_t softmax_t(s[m,h,t]) c_kv[t] over cache slots t in [0, L+M).
 
     s[m,h,t] = (q_abs[m,h] . c_kv[t] + q_pe[m,h] . k_pe[t]) * scale; slots t < L are visible, slot
@@ -546,10 +567,16 @@ def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scr
     ``L``: an int, or an int64 device array of one element read by the kernel (CUDA graphs: the
     launch then never depends on L; ``n_splits`` must be given, e.g. ``mla_num_splits(max_len, ...)``,
     and splits past L+M simply stay empty).
+
+    ``version``: 1 or 2 (default :data:`VERSION`, env ``KDT_MLA_VERSION``); ``n_splits`` should come
+    from :func:`mla_num_splits` of the same version (v1 takes at most MAX_SPLITS, v2 MAX_SPLITS_V2).
     """
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     if M == 0:
+        return
+    if _version(version) == 2:
+        _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream)
         return
     G, A, NW, BT = _attn_params(H, Rkv, dr)
     if isinstance(L, (int, np.integer)):
@@ -664,20 +691,654 @@ def _uv_project_kernel(wdtype: str, Rkv: int, G: int, NW: int, RPW: int, TM: int
     return uv_project_kernel
 
 
-def uv_project(o_lat, kv_b, o, stream=0) -> None:
+def uv_project(o_lat, kv_b, o, stream=0, version: int | None = None) -> None:
     """o[m, h*dv+v] = sum_r kv_b[h*(dn+dv)+dn+v, r] * o_lat[m, h, r]   (W_uv[h] @ o_lat[m, h]).
 
     o_lat[M, H, Rkv] f32; kv_b[H*(dn+dv), Rkv] f32 or bf16 (uint16); o[M, H*dv] f32 out.
+    ``version``: 1 or 2 (default :data:`VERSION`; v2 = one output row per warp at M <= 2).
     """
     M, H, Rkv = o_lat.shape
     if M == 0:
         return
     dv = o.shape[1] // H
-    G, NW, RPW = _uv_params(Rkv)
-    TM = _uv_tm(M)
+    if _version(version) == 2:
+        G, NW, RPW, TM = _uv2_params(Rkv, M)
+    else:
+        G, NW, RPW = _uv_params(Rkv)
+        TM = _uv_tm(M)
     k = _uv_project_kernel(np.dtype(kv_b.dtype).name, Rkv, G, NW, RPW, TM)
     grid = (cdiv(dv, NW * RPW), H, cdiv(M, TM))
     k[grid, NW * G, stream](o_lat, kv_b, o)
+
+
+# ---- 6. v2 kernels (KDT_MLA_VERSION=2, the default) --------------------------------------------------
+# Why v1 is slow at small M (H200, Moonlight H=16): its attention block holds all 16 heads of a token
+# and walks its key range serially, 16 keys per tile, and the splits keep >= MIN_KEYS_PER_SPLIT = 256
+# keys each, so at M=1 the grid is 3 blocks (L=512) to 33 blocks (L=8192) of one 8-warp block per SM:
+# ~100-250 serial tiles of a latency-bound loop (2 heads per warp: 18 shared loads + 10 dependent
+# shuffles per key for 36 FMAs) on a handful of SMs, hence ~95 us whatever L. uv_project gives each
+# warp 8 output rows one after the other (64 blocks: 8 dependent rounds of loads), q_absorb each thread
+# a 128-long serial walk over d (64 blocks).
+#
+# v2 attention (generated source, every compile-time loop written out, all per-thread state in
+# scalar registers; :func:`_attn2_source`): a block of NW warps (NW*G threads) owns R = NW*A heads of
+# one token and a split of the keys, walked in tiles of BT = G*VPL/A keys staged in shared memory
+# ([c_kv | k_pe | 0 pad]; default PF=2: the next tile's global loads are issued before the p @ c_kv
+# phase and stored into the other half of a double buffer after it).
+# - scores: warp w owns rows w*A .. w*A+A-1 with q (scale folded in) in registers, lane j features
+#   j + G*k; per key a lane does QE = (Rkv+dr)/G shared loads and A*QE FMAs (4 FMAs per load, no
+#   broadcast), then ONE transposed shuffle reduce-scatter of the A*BT partial dots (G-1 shuffles
+#   per tile, ~4 per key instead of v1's 10 per key) leaves lane j with VPL full scores of one row;
+# - online softmax on those lanes (a row's BT scores live on GS = G/A lanes: 2x log2(GS) shuffles);
+#   p goes to shared memory with the per-row rescale factor;
+# - p @ c_kv: the block's R x Rkv accumulator is tiled RPT rows x CPT columns per thread (8 x 8 for
+#   H>=16): per key RPT broadcast loads of p + CPT loads of c_kv for RPT*CPT FMAs (4 FMAs per load).
+# (A, NW, BT) = (4, 4, 8) on the GPU: 128 threads, 16 heads, 255 registers (ptxas: no spills) ->
+# 2 blocks (8 warps) per SM; ~1150 instructions per warp per 8-key tile (1088 of them FMA or shared
+# loads). Splits (:func:`mla_num_splits`): as many as fit in one wave of 2 blocks per SM, >= 16 keys
+# each, <= MAX_SPLITS_V2. A split the device L leaves empty exits at once and is never read: the
+# combine derives the number of non-empty splits from L the same way, and spreads (head, column
+# chunk) x groups of splits over its warps (:func:`_combine2_source`), so many splits stay cheap.
+# Predicted (H200, Moonlight H=16, kdt.kernels.bench's splits; v1 measured in brackets):
+#   M=1:  L=512 ~7 us (33 splits of 16 keys + combine) [97], L=8192 ~10 us (257 of 32) [147];
+#   M=16: L=512 ~8 us [99], L=8192 ~90 us [537];  M=64: L=512 ~30 us [210], L=8192 ~350 us [2433];
+#   Kimi H=64 M=1 L=512 ~8 us [130]. Past M=1 the tile loop is issue-bound: 8 warps x 1150
+#   instructions per tile per SM / 4 schedulers, ~580 cycles per 8 keys of 16 heads.
+# v2 q_absorb: block = (32 latent columns, head, TM tokens), 8 warps split d (16 rows each, all loads
+# issued before use), one shared-memory sum: 256 blocks at M=1 (~3-4 us [9.5]). v2 uv_project at
+# M <= 2: v1's kernel with one output row per warp (RPW=1, 8 warps): 2048 independent warps at H=16
+# (~3-5 us [22.4]); M > 2 keeps v1's tiling (x reuse over 8 rows per warp).
+# v2 is the default: predicted 5-15x faster on every measured attention shape, 2-5x on the others.
+VERSION = int(os.environ.get("KDT_MLA_VERSION", "2"))
+MAX_SPLITS_V2 = 512  # splits per (token, head group) at most (shared weights of the v2 combine)
+MIN_KEYS_PER_SPLIT_V2 = 16  # two tiles of 8 keys
+# resident attention blocks per SM the v2 splits aim at (128 threads x 255 registers: 2 fit)
+BLOCKS_PER_SM_V2 = int(os.environ.get("KDT_MLA_BLOCKS_PER_SM", "2"))
+
+
+def _version(version) -> int:
+    v = VERSION if version is None else int(version)
+    if v not in (1, 2):
+        raise ValueError(f"unknown MLA kernel version {v} (1 or 2)")
+    return v
+
+
+def _jit_source(src: str, name: str, namespace: dict):
+    """exec generated kernel source (visible to tracebacks through linecache) and cuda.jit it."""
+    filename = f"<kdt.kernels.mla generated {name} {abs(hash(src)):x}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    ns = dict(namespace)
+    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - our own generated source
+    return cuda.jit(ns[name])
+
+
+class _Src:
+    """Tiny indented-source builder: ``s(line)``; ``with s.block(header):`` indents."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.depth = 0
+
+    def __call__(self, line: str) -> None:
+        self.lines.append("    " * self.depth + line)
+
+    def block(self, line: str):
+        self(line)
+        return self
+
+    def __enter__(self):
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def _pow2_le(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def _attn2_params(H: int, Rkv: int, dr: int) -> tuple[int, int, int, int, int]:
+    """(G lanes per warp, A heads per warp in the score phase, NW warps, VPL scores per lane after
+    the reduce-scatter, CG column groups of the p @ c_kv phase). Keys per tile BT = G*VPL/A."""
+    if IS_SIM:  # small lane groups: every simulated thread is a Python thread
+        G = 4 if Rkv % 4 == 0 else (2 if Rkv % 2 == 0 else 1)
+        A, NW, VPL = min(2, G), 2, 1
+    else:
+        G = 32
+        if Rkv % G:
+            raise ValueError(f"mla_attention v2 needs kv_lora_rank % 32 == 0 (got {Rkv})")
+        A, VPL = 4, 1
+        NW = min(4, cdiv(H, A))
+    return G, A, NW, VPL, _attn2_cg(Rkv, G, NW)
+
+
+def _attn2_cg(Rkv: int, G: int, NW: int) -> int:
+    """Column groups of the p @ c_kv phase: the split of NW warps into RG x CG that minimises the
+    loads per key (RPT + CPT) with whole lane-strided columns (Rkv % (G*CG) == 0)."""
+    best = None
+    cg = 1
+    while cg <= NW:
+        if NW % cg == 0 and Rkv % (G * cg) == 0:
+            cost = NW // cg + Rkv // (G * cg)  # proportional to RPT + CPT
+            if best is None or cost < best[0]:
+                best = (cost, cg)
+        cg *= 2
+    return best[1]
+
+
+def _attn2_geometry(Rkv, dr, G, A, NW, VPL, CG) -> dict:
+    F = Rkv + dr
+    if G & (G - 1) or A & (A - 1) or VPL & (VPL - 1) or (G * VPL) % A:
+        raise ValueError(f"bad v2 attention geometry G={G} A={A} VPL={VPL}")
+    BT = G * VPL // A
+    QE = cdiv(F, G)
+    FP = QE * G
+    NT = NW * G
+    R = NW * A
+    RG = NW // CG
+    if NW % CG or Rkv % (G * CG):
+        raise ValueError(f"bad column groups CG={CG} for NW={NW}, Rkv={Rkv}, G={G}")
+    return dict(Rkv=Rkv, dr=dr, F=F, G=G, A=A, NW=NW, VPL=VPL, CG=CG, BT=BT, QE=QE, FP=FP, NT=NT, R=R,
+                RG=RG, RPT=R // RG, CW=Rkv // CG, CPT=Rkv // (G * CG), GS=BT // VPL, V=A * BT,
+                PEP=FP - Rkv, NLC=cdiv(BT * Rkv, NT), NLP=cdiv(BT * (FP - Rkv), NT),
+                LOGG=int(round(math.log2(G))), XB=NT if IS_SIM else 1)
+
+
+def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW, CPT, GS, V, PEP, NLC,
+                  NLP, LOGG, PF, **_) -> str:
+    """Python source of the v2 attention kernel (see the section comment), loops written out.
+
+    PF (how the next key tile's global loads overlap this tile's compute): 0 = none (loads at the top
+    of the tile loop); 1 = into registers right after this tile is staged (live through both phases);
+    2 = into registers between the score and the p @ c_kv phases (live through the second only),
+    stored to the other half of a double-buffered tile, one barrier fewer per tile."""
+    s = _Src()
+    B = "bf, " if PF == 2 else ""  # tile buffer index of sK
+
+    def kref(tt, col) -> str:
+        return f"sK[{B}{tt}, {col}]"
+
+    # Fast staging when the block's threads tile the rows evenly: row and column indices unsigned
+    # (no wrap-around selects), one row address per key, constant column offsets.
+    fast_c = Rkv % NT == 0
+    fast_p = NT % PEP == 0 and (BT * PEP) % NT == 0
+
+    def load_tile(t: str) -> None:  # this thread's share of tile [t, t+BT) -> pc_i, pp_i
+        if fast_c:
+            per = Rkv // NT
+            for tt in range(BT):
+                s(f"rw = uint64(min({t} + {tt}, t_hi - 1))")
+                for i in range(tt * per, (tt + 1) * per):
+                    s(f"pc_{i} = c_kv[rw, tidu + U{NT * (i % per)}]")
+        else:
+            for i in range(NLC):
+                s(f"e = tid + {NT * i}")
+                s("tt = e // Rkv")
+                s(f"pc_{i} = c_kv[min({t} + tt, t_hi - 1), e - tt * Rkv] if tt < BT else float32(0.0)")
+        for i in range(NLP):
+            if fast_p:  # thread tid: key ptt + (NT // PEP) * i, column pcol (< DR, or a zero pad)
+                row = f"uint64(min({t} + ptt + {(NT // PEP) * i}, t_hi - 1))"
+                if PEP == dr:
+                    s(f"pp_{i} = k_pe[{row}, pcol]")
+                else:
+                    s(f"pp_{i} = k_pe[{row}, pcol] if pcol < UDR else float32(0.0)")
+            else:
+                s(f"e = tid + {NT * i}")
+                s(f"tt = e // {PEP}")
+                s(f"f = e - tt * {PEP}")
+                s(f"pp_{i} = k_pe[min({t} + tt, t_hi - 1), f] if (tt < BT and f < DR) else float32(0.0)")
+
+    def store_tile() -> None:
+        for i in range(NLC):
+            if Rkv % NT == 0:
+                per = Rkv // NT
+                s(f"{kref(i // per, f'tidu + U{NT * (i % per)}')} = pc_{i}")
+            else:
+                s(f"e = tid + {NT * i}")
+                s("tt = e // Rkv")
+                with s.block("if tt < BT:"):
+                    s(f"{kref('tt', 'e - tt * Rkv')} = pc_{i}")
+        for i in range(NLP):
+            if fast_p:
+                s(f"{kref(f'pttu + U{(NT // PEP) * i}', 'URKV + pcol')} = pp_{i}")
+            else:
+                s(f"e = tid + {NT * i}")
+                s(f"tt = e // {PEP}")
+                with s.block("if tt < BT:"):
+                    s(f"{kref('tt', f'Rkv + e - tt * {PEP}')} = pp_{i}")
+
+    with s.block("def mla_attention2(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, part):"):
+        s('"""v2 MLA attention (kdt.kernels.mla section 6). Grid (cdiv(H, R), M, S), block (NT,): block')
+        s("(x, m, sp) = heads x*R .. x*R+R-1 of token m, keys [sp*kps, (sp+1)*kps) (kps = cdiv(L+M, S)")
+        s("rounded up to BT; an empty split returns at once). S == 1: o_lat[m, h] = acc / l; else")
+        s('part[((m*H+h)*S+sp)*(Rkv+2) + ..] = (acc[Rkv], running max, running sum)."""')
+        s("tid = cuda.threadIdx.x")
+        s("w = tid // G")
+        s("j = tid - w * G")
+        s("M = q_abs.shape[0]")
+        s("H = q_abs.shape[1]")
+        s("m = cuda.blockIdx.y")
+        s("sp = cuda.blockIdx.z")
+        s("S = cuda.gridDim.z")
+        s("L = L_dev[0]")
+        s("T = L + M")
+        s("kps = (T + S - 1) // S")
+        s("kps = (kps + BT - 1) // BT * BT")
+        s("t_lo = sp * kps")
+        with s.block("if t_lo >= T:"):
+            s("return")
+        s("t_hi = min(t_lo + kps, T)")
+        s("sK = cuda.shared.array(SK_SHAPE, float32)  # key tile [c_kv | k_pe | 0 pad]")
+        s("sP = cuda.shared.array(SP_SHAPE, float32)  # sP[tt, row] = p")
+        s("sAl = cuda.shared.array(R, float32)  # per-row rescale of this tile")
+        s("sMl = cuda.shared.array(SML_SHAPE, float32)  # final running max / sum per row")
+        s("xbuf = cuda.shared.array(XB, float32)")
+        s("h0 = cuda.blockIdx.x * R")
+        s("# q rows w*A + a (clamped to H-1: rows past H are computed, never stored), features j + G*k")
+        for a in range(A):
+            s(f"hq = min(h0 + w * {A} + {a}, H - 1)")
+            for k in range(QE):
+                f0 = G * k
+                if f0 + G <= Rkv:
+                    s(f"q_{a}_{k} = q_abs[m, hq, j + {f0}] * scale")
+                elif f0 >= Rkv and f0 + G <= F:
+                    s(f"q_{a}_{k} = q_pe[m, hq, j + {f0 - Rkv}] * scale")
+                else:
+                    s(f"f = j + {f0}")
+                    s(f"q_{a}_{k} = (q_abs[m, hq, f] if f < Rkv else (q_pe[m, hq, f - Rkv] if f < F "
+                      "else float32(0.0))) * scale")
+        s("# p @ c_kv role: rows r0 .. r0+RPT-1, columns c0 + G*c")
+        s("rg = w // CG")
+        s("r0 = rg * RPT")
+        s("c0 = (w - rg * CG) * CW + j")
+        s("# unsigned copies for shared-memory indices: no negative-index wrap-around, so every")
+        s("# constant offset folds into the load's immediate (one address register, not one per load)")
+        s("ju = uint64(j)")
+        s("tidu = uint64(tid)")
+        if fast_p:
+            s(f"ptt = tid // {PEP}")
+            s(f"pcol = uint64(tid - ptt * {PEP})")
+            s("pttu = uint64(ptt)")
+        s("r0u = uint64(r0)")
+        s("c0u = uint64(c0)")
+        for r in range(RPT):
+            s(" = ".join(f"acc_{r}_{c}" for c in range(CPT)) + " = float32(0.0)")
+        s("# softmax role after the reduce-scatter: row w*A + j // GS, keys (j % GS)*VPL + i of a tile")
+        s("jj = j % GS")
+        s("row_me = w * A + j // GS")
+        s("m_run = NEG_INF")
+        s("l_run = float32(0.0)")
+        if PF == 2:
+            s("bf = 0")
+            load_tile("t_lo")
+            store_tile()
+        elif PF == 1:
+            load_tile("t_lo")
+        with s.block("for t0 in range(t_lo, t_hi, BT):"):
+            if PF == 0:
+                load_tile("t0")
+            if PF == 2:
+                s("cuda.syncthreads()  # tile bf staged; everyone is done with sP of the previous tile")
+            else:
+                s("cuda.syncthreads()  # everyone is done with the previous tile")
+                store_tile()
+                s("cuda.syncthreads()")
+            if PF == 1:
+                with s.block("if t0 + BT < t_hi:  # prefetch the next tile into registers"):
+                    load_tile("t0 + BT")
+            s("# ---- partial scores v[a*BT + tt] over this lane's features")
+            for k in range(QE):
+                for tt in range(BT):
+                    s(f"kv = {kref(tt, f'ju + U{G * k}')}")
+                    for a in range(A):
+                        op = "=" if k == 0 else "+="
+                        s(f"v_{a * BT + tt} {op} q_{a}_{k} * kv")
+            s("# ---- transposed reduce-scatter: lane j ends with v index j*VPL + i, full sums")
+            vals = [f"v_{i}" for i in range(V)]
+            off = G // 2
+            while off >= 1:
+                half = len(vals) // 2
+                s(f"up = (j & {off}) != 0")
+                for i in range(half):
+                    lo, hi = vals[i], vals[i + half]
+                    s(f"snd = {lo} if up else {hi}")
+                    s(f"kp = {hi} if up else {lo}")
+                    s(f"{lo} = kp + shfl(xbuf, tid, snd, {off})")
+                vals = vals[:half]
+                off //= 2
+            s("# ---- online softmax of row row_me over its GS lanes")
+            for i in range(VPL):
+                s(f"t = t0 + jj * {VPL} + {i}")
+                s(f"s_{i} = {vals[i]} if (t < t_hi and (t < L or vis[m, t - L] != 0)) else NEG_INF")
+            s("mt = " + ("max(" + ", ".join(f"s_{i}" for i in range(VPL)) + ")" if VPL > 1 else "s_0"))
+            off = GS // 2
+            while off >= 1:
+                s(f"mt = max(mt, shfl(xbuf, tid, mt, {off}))")
+                off //= 2
+            s("m_new = max(m_run, mt)")
+            s("alpha = float32(1.0)")
+            for i in range(VPL):
+                s(f"p_{i} = float32(0.0)")
+            with s.block("if m_new != NEG_INF:"):
+                s("alpha = math.exp(m_run - m_new)  # exp(-inf) = 0 on the first visible tile")
+                for i in range(VPL):
+                    s(f"p_{i} = math.exp(s_{i} - m_new)")
+            s("ps = " + " + ".join(f"p_{i}" for i in range(VPL)))
+            off = GS // 2
+            while off >= 1:
+                s(f"ps += shfl(xbuf, tid, ps, {off})")
+                off //= 2
+            s("l_run = l_run * alpha + ps")
+            s("m_run = m_new")
+            for i in range(VPL):
+                s(f"sP[jj * {VPL} + {i}, row_me] = p_{i}")
+            with s.block("if jj == 0:"):
+                s("sAl[row_me] = alpha")
+            s("cuda.syncthreads()")
+            if PF == 2:
+                with s.block("if t0 + BT < t_hi:  # the next tile's loads, in flight during p @ c_kv"):
+                    load_tile("t0 + BT")
+            s("# ---- acc = acc * alpha + p @ c_kv")
+            for r in range(RPT):
+                s(f"al = sAl[r0u + U{r}]")
+                for c in range(CPT):
+                    s(f"acc_{r}_{c} *= al")
+            for tt in range(BT):
+                for c in range(CPT):
+                    s(f"kc_{c} = {kref(tt, f'c0u + U{G * c}')}")
+                for r in range(RPT):
+                    s(f"pr = sP[{tt}, r0u + U{r}]")
+                    for c in range(CPT):
+                        s(f"acc_{r}_{c} += pr * kc_{c}")
+            if PF == 2:
+                with s.block("if t0 + BT < t_hi:"):
+                    s("bf = 1 - bf")
+                    store_tile()
+        with s.block("if jj == 0:"):
+            s("sMl[0, row_me] = m_run")
+            s("sMl[1, row_me] = l_run")
+        s("cuda.syncthreads()")
+        with s.block("if S == 1:"):
+            for r in range(RPT):
+                s(f"h = h0 + r0 + {r}")
+                with s.block("if h < H:"):
+                    s(f"inv = float32(1.0) / sMl[1, r0 + {r}]")
+                    for c in range(CPT):
+                        s(f"o_lat[m, h, c0 + {G * c}] = acc_{r}_{c} * inv")
+        with s.block("else:"):
+            for r in range(RPT):
+                s(f"h = h0 + r0 + {r}")
+                with s.block("if h < H:"):
+                    s("base = ((m * H + h) * S + sp) * RS")
+                    for c in range(CPT):
+                        s(f"part[base + c0 + {G * c}] = acc_{r}_{c}")
+            with s.block("for r in range(tid, R, NT):"):
+                s("h = h0 + r")
+                with s.block("if h < H:"):
+                    s("base = ((m * H + h) * S + sp) * RS")
+                    s("part[base + Rkv] = sMl[0, r]")
+                    s("part[base + Rkv + 1] = sMl[1, r]")
+    return s.text()
+
+
+@functools.cache
+def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG: int, PF: int = 2):
+    """The v2 attention kernel (cached per geometry); ``.geom`` holds its constants."""
+    g = _attn2_geometry(Rkv, dr, G, A, NW, VPL, CG)
+    sk = (2, g["BT"], g["FP"]) if PF == 2 else (g["BT"], g["FP"])
+    ns = dict(g, cuda=cuda, float32=float32, uint64=uint64, math=math, NEG_INF=NEG_INF, shfl=_shfl_xor, DR=dr,
+              RS=Rkv + 2, UDR=np.uint64(dr), URKV=np.uint64(Rkv), SK_SHAPE=sk, SP_SHAPE=(g["BT"], g["R"] + 1),
+              SML_SHAPE=(2, g["R"]))
+    ns.update({f"U{i}": np.uint64(i) for i in range(max(g["FP"], g["R"]) + 1)})
+    k = _jit_source(_attn2_source(PF=PF, **g), "mla_attention2", ns)
+    k.geom = g
+    return k
+
+
+def _combine2_source(G, NWC, CPC, US, **_) -> str:
+    s = _Src()
+    with s.block("def mla_combine2(part, S, L_dev, o_lat):"):
+        s('"""v2 flash-decoding combine. part as written by the v2 attention (only its ne non-empty')
+        s("splits are read; ne from L_dev exactly as the attention derives it). Grid (Rkv // CW, H, M),")
+        s("block (NWC*G,): lane j owns columns cb*CW + j + G*c, warp w the splits w, w + NWC, ..;")
+        s('partials summed in shared memory."""')
+        s("tid = cuda.threadIdx.x")
+        s("w = tid // G")
+        s("j = tid - w * G")
+        s("cb = cuda.blockIdx.x")
+        s("h = cuda.blockIdx.y")
+        s("m = cuda.blockIdx.z")
+        s("M = o_lat.shape[0]")
+        s("H = o_lat.shape[1]")
+        s("Rkv = o_lat.shape[2]")
+        s("RS = Rkv + 2")
+        s("T = L_dev[0] + M")
+        s("kps = (T + S - 1) // S")
+        s("kps = (kps + BT - 1) // BT * BT")
+        s("ne = (T + kps - 1) // kps")
+        s("base0 = (m * H + h) * S * RS")
+        s("wts = cuda.shared.array(MAXS, float32)")
+        s("red = cuda.shared.array(NT, float32)")
+        s("red2 = cuda.shared.array(RED2_SHAPE, float32)")
+        s("mx = NEG_INF")
+        with s.block("for sx in range(tid, ne, NT):"):
+            s("mx = max(mx, part[base0 + sx * RS + Rkv])")
+        s("red[tid] = mx")
+        s("mx = tree_reduce(red, tid, NT, True)")
+        s("cuda.syncthreads()")
+        s("ls = float32(0.0)")
+        with s.block("for sx in range(tid, ne, NT):"):
+            s("ms = part[base0 + sx * RS + Rkv]")
+            s("wv = float32(0.0)")
+            with s.block("if ms != NEG_INF:"):
+                s("wv = math.exp(ms - mx)")
+            s("wts[sx] = wv")
+            s("ls += wv * part[base0 + sx * RS + Rkv + 1]")
+        s("red[tid] = ls")
+        s("inv = float32(1.0) / tree_reduce(red, tid, NT, False)  # its barriers publish wts too")
+        s("col0 = base0 + cb * CW + j")
+        for u in range(US):
+            s(" = ".join(f"a_{u}_{c}" for c in range(CPC)) + " = float32(0.0)")
+        s("sx = w")
+        with s.block(f"while sx + {(US - 1) * NWC} < ne:"):
+            for u in range(US):
+                s(f"wv_{u} = wts[sx + {u * NWC}]")
+                s(f"b_{u} = col0 + (sx + {u * NWC}) * RS")
+            for u in range(US):
+                for c in range(CPC):
+                    s(f"a_{u}_{c} += wv_{u} * part[b_{u} + {G * c}]")
+            s(f"sx += {US * NWC}")
+        with s.block("while sx < ne:"):
+            s("wv_0 = wts[sx]")
+            s("b_0 = col0 + sx * RS")
+            for c in range(CPC):
+                s(f"a_0_{c} += wv_0 * part[b_0 + {G * c}]")
+            s(f"sx += {NWC}")
+        for c in range(CPC):
+            s(f"red2[w, j + {G * c}] = " + " + ".join(f"a_{u}_{c}" for u in range(US)))
+        s("cuda.syncthreads()")
+        with s.block("for cc in range(tid, CW, NT):"):
+            s("tot = red2[0, cc]")
+            for ww in range(1, NWC):
+                s(f"tot += red2[{ww}, cc]")
+            s("o_lat[m, h, cb * CW + cc] = tot * inv")
+    return s.text()
+
+
+@functools.cache
+def _combine2_kernel(BT: int, G: int, NWC: int, CPC: int):
+    US = 2 if IS_SIM else max(1, 8 // CPC)  # splits in flight per lane (x CPC columns)
+    NT, CW = NWC * G, G * CPC
+    if NT & (NT - 1):
+        raise ValueError(f"combine block {NT} must be a power of two")
+    ns = dict(cuda=cuda, float32=float32, math=math, NEG_INF=NEG_INF, tree_reduce=_tree_reduce, BT=BT, G=G,
+              NWC=NWC, CPC=CPC, US=US, NT=NT, CW=CW, MAXS=MAX_SPLITS_V2, RED2_SHAPE=(NWC, CW))
+    k = _jit_source(_combine2_source(G=G, NWC=NWC, CPC=CPC, US=US), "mla_combine2", ns)
+    k.threads, k.cols = NT, CW
+    return k
+
+
+def _combine2_config(S: int, M: int, H: int, Rkv: int) -> tuple[int, int, int]:
+    """(G, NWC warps, CPC columns per lane) of the v2 combine for S splits: ~8+ splits per warp
+    (4..16 warps), and column chunks as fine as keeps the grid <= ~2048 blocks."""
+    if IS_SIM:  # two warps, two column chunks when possible: both loops of the kernel run
+        G = 4 if Rkv % 4 == 0 else 1
+        return G, 2, (2 if (Rkv // G) % 2 == 0 else 1)
+    G = 32
+    NWC = min(16, max(4, _pow2_le(S // 8)))
+    nch = Rkv // G
+    chunks = 1
+    for d in range(nch, 0, -1):
+        if nch % d == 0 and (H * M * d <= 2048 or d == 1):
+            chunks = d
+            break
+    return G, NWC, nch // chunks
+
+
+def _mla_combine_v2(part, S: int, L_dev, o_lat, BT: int, stream=0) -> None:
+    M, H, Rkv = o_lat.shape
+    if not 1 <= S <= MAX_SPLITS_V2:
+        raise ValueError(f"n_splits={S} outside [1, {MAX_SPLITS_V2}]")
+    G, NWC, CPC = _combine2_config(S, M, H, Rkv)
+    k = _combine2_kernel(BT, G, NWC, CPC)
+    k[(Rkv // k.cols, H, M), k.threads, stream](part, np.int64(S), L_dev, o_lat)
+
+
+def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream,
+                      params=None) -> None:
+    M, H, Rkv = q_abs.shape
+    dr = q_pe.shape[2]
+    prm = params or _attn2_params(H, Rkv, dr)
+    k = _attention2_kernel(Rkv, dr, *prm)
+    g = k.geom
+    if isinstance(L, (int, np.integer)):
+        T = int(L) + M
+        S = mla_num_splits(int(L), M, H, Rkv, dr, version=2) if n_splits is None else int(n_splits)
+        S = max(1, min(S, MAX_SPLITS_V2, T))
+    elif n_splits is None:
+        raise ValueError("mla_attention with L on the device needs n_splits")
+    else:
+        S = max(1, min(int(n_splits), MAX_SPLITS_V2))
+    L_dev = device_scalar(L)
+    if S > 1:
+        need = mla_scratch_size(M, H, Rkv, S)
+        if scratch is None:
+            scratch = cuda.device_array(need, dtype=np.float32, stream=stream)
+        elif scratch.size < need:
+            raise ValueError(f"mla_attention scratch holds {scratch.size} floats, {need} needed "
+                             f"(M={M}, H={H}, Rkv={Rkv}, n_splits={S})")
+        part = scratch
+    else:
+        part = _dummy_part()
+    k[(cdiv(H, g["R"]), M, S), g["NT"], stream](q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis,
+                                                np.float32(scale), o_lat, part)
+    if S > 1:
+        _mla_combine_v2(part, S, L_dev, o_lat, g["BT"], stream=stream)
+
+
+# v2 q_absorb ------------------------------------------------------------------------------------------
+def _q_absorb2_params(M: int, dn: int) -> tuple[int, int, int]:
+    """(TM tokens per block, G lanes = latent columns per block, NWD warps splitting d)."""
+    if IS_SIM:
+        return (1 if M <= 1 else 2), 4, 2
+    TM = 1 if M <= 1 else (4 if M <= 4 else 8)
+    NWD = 8
+    while dn % NWD:
+        NWD //= 2
+    return TM, 32, NWD
+
+
+def _q_absorb2_source(TM: int, DPW: int, NWD: int) -> str:
+    s = _Src()
+    with s.block("def q_absorb2_kernel(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe):"):
+        s('"""q[M, H*(dn+dr)] f32, kv_b[H*(dn+dv), Rkv] f32|bf16 -> q_abs[M, H, Rkv] = q_nope @ W_uk[h],')
+        s("q_pe[M, H, dr] = rope(q[.., dn:]). Grid (cdiv(Rkv, G), H, cdiv(M, TM)), block (NWD*G,): warp w")
+        s("sums d in [w*DPW, (w+1)*DPW) for latent column cb*G + lane (its DPW weight loads issued before")
+        s('any is used); the NWD warp partials are summed in shared memory."""')
+        s("cb = cuda.blockIdx.x")
+        s("h = cuda.blockIdx.y")
+        s("m0 = cuda.blockIdx.z * TM")
+        s("tid = cuda.threadIdx.x")
+        s("w = tid // G")
+        s("j = tid - w * G")
+        s("M = q.shape[0]")
+        s("H = q_abs.shape[1]")
+        s("Rkv = q_abs.shape[2]")
+        s("dr = q_pe.shape[2]")
+        s("dh = DN + dr")
+        s("dnv = kv_b.shape[0] // H")
+        s("sq = cuda.shared.array(SQ_SHAPE, float32)")
+        s("red = cuda.shared.array(RED_SHAPE, float32)")
+        with s.block("for idx in range(tid, TM * DN, NT):"):
+            s("i = idx // DN")
+            s("d = idx - i * DN")
+            s("sq[i, d] = q[m0 + i, h * dh + d] if m0 + i < M else float32(0.0)")
+        with s.block("if cb == 0:"):
+            s("half = dr // 2")
+            with s.block("for idx in range(tid, TM * dr, NT):"):
+                s("i = idx // dr")
+                s("jr = idx - i * dr")
+                with s.block("if m0 + i < M:"):
+                    s("q_pe[m0 + i, h, jr] = rope_elem(q, m0 + i, h * dh + DN, jr, half, interleave, cos_tab, "
+                      "sin_tab, positions[m0 + i])")
+        s("r = min(cb * G + j, Rkv - 1)")
+        s("row0 = h * dnv + w * DPW")
+        for dd in range(DPW):
+            s(f"w_{dd} = load(kv_b[row0 + {dd}, r])")
+        s("cuda.syncthreads()")
+        s("d0 = uint64(w * DPW)")
+        for i in range(TM):
+            for dd in range(DPW):
+                s(f"a_{i} {'=' if dd == 0 else '+='} sq[{i}, d0 + U{dd}] * w_{dd}")
+            s(f"red[w, {i}, j] = a_{i}")
+        s("cuda.syncthreads()")
+        with s.block("for idx in range(tid, TM * G, NT):"):
+            s("i = idx // G")
+            s("jc = idx - i * G")
+            s("tot = red[0, i, jc]")
+            for ww in range(1, NWD):
+                s(f"tot += red[{ww}, i, jc]")
+            s("col = cb * G + jc")
+            with s.block("if m0 + i < M and col < Rkv:"):
+                s("q_abs[m0 + i, h, col] = tot")
+    return s.text()
+
+
+@functools.cache
+def _q_absorb2_kernel(wdtype: str, dn: int, TM: int, G: int, NWD: int):
+    if dn % NWD:
+        raise ValueError(f"q_absorb v2: dn={dn} not a multiple of {NWD} warps")
+    DPW = dn // NWD
+    NT = G * NWD
+    ns = dict(cuda=cuda, float32=float32, uint64=uint64, load=weight_loader(np.dtype(wdtype)),
+              rope_elem=_rope_elem, TM=TM, G=G, NT=NT, DN=dn, DPW=DPW, SQ_SHAPE=(TM, dn), RED_SHAPE=(NWD, TM, G))
+    ns.update({f"U{i}": np.uint64(i) for i in range(DPW)})
+    k = _jit_source(_q_absorb2_source(TM, DPW, NWD), "q_absorb2_kernel", ns)
+    k.threads = NT
+    return k
+
+
+def _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=0) -> None:
+    M, H, Rkv = q_abs.shape
+    dr = q_pe.shape[2]
+    dn = q.shape[1] // H - dr
+    TM, G, NWD = _q_absorb2_params(M, dn)
+    k = _q_absorb2_kernel(np.dtype(kv_b.dtype).name, dn, TM, G, NWD)
+    k[(cdiv(Rkv, G), H, cdiv(M, TM)), k.threads, stream](q, kv_b, positions, cos_tab, sin_tab,
+                                                         np.int32(1 if interleave else 0), q_abs, q_pe)
+
+
+# v2 uv_project -----------------------------------------------------------------------------------------
+def _uv2_params(Rkv: int, M: int) -> tuple[int, int, int, int]:
+    """(G, NW, RPW, TM): at M <= 2 one output row per warp, 8 warps per block (2048 independent warps
+    at H=16); above, v1's tiling (x reuse over 8 rows per warp matters there)."""
+    G, NW, RPW = _uv_params(Rkv)
+    if M <= 2:
+        return G, (NW if IS_SIM else 8), 1, 1
+    return G, NW, RPW, _uv_tm(M)
 
 
 # ---- 5. sm_90 compile check signatures (DeepSeek-V3 / Kimi K2 / Moonlight dims) ----------------------
@@ -704,6 +1365,22 @@ def _register() -> None:
                      (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1),
                      name=f"mla_attention_kernel[A={A},NW={NW}]")
     register_ptx(mla_combine_kernel, (f32_1, int64, f32_3))
+    # v2 (explicit GPU geometry: the simulator's _attn2_params differ)
+    for wdt, w2 in (("float32", f32_2), ("uint16", u16_2)):
+        for TM in (1, 8):
+            register_ptx(_q_absorb2_kernel(wdt, dn, TM, 32, 8), (f32_2, w2, i64_1, f32_2, f32_2, int32, f32_3, f32_3),
+                         name=f"q_absorb2_kernel[{wdt},TM={TM}]")
+        register_ptx(_uv_project_kernel(wdt, Rkv, 32, 8, 1, 1), (f32_3, w2, f32_2),
+                     name=f"uv_project_kernel[{wdt},RPW=1]")
+    # Moonlight / Kimi (H >= 16; the prefetch modes), H = 4 at Rkv 512 and the tiny fixture (one warp)
+    for rkv, d_r, NW, PFs in ((Rkv, dr, 4, (0, 1, 2)), (Rkv, dr, 1, (2,)), (64, 16, 1, (2,))):
+        for PF in PFs:
+            register_ptx(_attention2_kernel(rkv, d_r, 32, 4, NW, 1, _attn2_cg(rkv, 32, NW), PF),
+                         (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1),
+                         name=f"mla_attention2[Rkv={rkv},NW={NW},PF={int(PF)}]")
+    for NWC, CPC in ((16, 1), (4, 4), (4, 16)):
+        register_ptx(_combine2_kernel(8, 32, NWC, CPC), (f32_1, int64, i64_1, f32_3),
+                     name=f"mla_combine2[NWC={NWC},CPC={CPC}]")
 
 
 _register()

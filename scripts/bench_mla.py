@@ -1,0 +1,120 @@
+"""MLA kernels, v1 against v2 (kdt.kernels.mla), GPU time only, one table per model.
+
+    python scripts/bench_mla.py [--presets moonlight-16b-a3b,kimi-k2] [--dtype bf16] [--json PATH]
+                                [--quick]
+
+Rows: q_absorb and uv_project at M = 1, 16, 64; mla attention at M = 1, 16, 64 and L = 512, 8192 with
+  - "S(L)": the splits each version picks for that L (what kdt.kernels.bench times), L on the device;
+  - "S(max)": the splits the engine uses (``mla_num_splits(max_len, M)``, max_len = 8192 + 64; most
+    of them empty at L = 512), L on the device as in its CUDA graphs;
+  - v2 "pf0"/"pf1" (S(max)): the other prefetch modes of the v2 attention tile loop (default pf2);
+  - v2 "S(max)/2": half the splits (what KDT_MLA_BLOCKS_PER_SM=1 would pick).
+Timing: kdt.kernels.bench.time_us (a spin kernel holds the GPU while a batch is queued). "GB/s" and
+"% copy" count the bytes that must move once (weights, q/o, the cache [0, L+M)) against the
+device-to-device copy bandwidth measured in the same run; "x v1" is v1's time over this row's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+from numba import cuda
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kdt.config import preset  # noqa: E402
+from kdt.kernels import mla  # noqa: E402
+from kdt.kernels.bench import copy_bandwidth, rand, time_us  # noqa: E402
+
+MAX_LEN = 8192 + 64
+
+
+def rows(name: str, dtype: str, quick: bool):
+    """(kernel, shape, variant, callable, bytes) for one model."""
+    cfg = preset(name)
+    wdt = np.uint16 if dtype == "bf16" else np.float32
+    wb = 2 if dtype == "bf16" else 4
+    H, Rkv, dr, dn, dv = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+                          cfg.v_head_dim)
+    kv_b = rand((H * (dn + dv), Rkv), wdt, 1 / np.sqrt(Rkv))
+    c_kv, k_pe = rand((MAX_LEN, Rkv)), rand((MAX_LEN, dr))
+    cos, sin = (cuda.to_device(t) for t in mla.rope_tables(cfg, MAX_LEN))
+    scale = cfg.softmax_scale
+    for M in (1, 16, 64):
+        q, pos = rand((M, H * (dn + dr))), cuda.to_device(np.arange(M, dtype=np.int64))
+        q_abs, q_pe, o_lat = rand((M, H, Rkv)), rand((M, H, dr)), cuda.device_array((M, H, Rkv), np.float32)
+        nb = H * dn * Rkv * wb + 4 * M * H * (dn + dr + Rkv + dr)
+        for v in (1, 2):
+            yield ("q_absorb", f"M={M} H={H}", f"v{v}",
+                   lambda i, v=v, q=q, pos=pos, a=q_abs, p=q_pe: mla.q_absorb(q, kv_b, pos, cos, sin, True, a, p,
+                                                                          version=v), nb)
+        vis = cuda.to_device(np.tril(np.ones((M, M), np.uint8)))
+        for L in (512, 8192):
+            T = L + M
+            nb = 4 * (T * (Rkv + dr) + 2 * M * H * Rkv + M * H * dr)
+            L_dev = cuda.to_device(np.array([L], np.int64))
+            variants = []
+            for v in (1, 2):
+                variants.append((f"v{v} S(L)", v, mla.mla_num_splits(L, M, H, Rkv, dr, version=v), None))
+                variants.append((f"v{v} S(max)", v, mla.mla_num_splits(MAX_LEN, M, H, Rkv, dr, version=v), None))
+            if not quick:
+                S = mla.mla_num_splits(MAX_LEN, M, H, Rkv, dr, version=2)
+                for pf in (0, 1):
+                    variants.append((f"v2 pf{pf} S(max)", 2, S, mla._attn2_params(H, Rkv, dr) + (pf,)))
+                if S > 1:  # one block per SM (KDT_MLA_BLOCKS_PER_SM=1): half the partials to combine
+                    variants.append(("v2 S(max)/2", 2, S // 2, None))
+            for label, v, S, prm in variants:
+                scratch = cuda.device_array(max(1, mla.mla_scratch_size(M, H, Rkv, S)), np.float32)
+
+                def fn(i, v=v, S=S, sc=scratch, Ld=L_dev, a=q_abs, p=q_pe, o=o_lat, vis=vis, prm=prm):
+                    if prm is None:
+                        mla.mla_attention(a, p, c_kv, k_pe, Ld, vis, scale, o, scratch=sc, n_splits=S, version=v)
+                    else:  # a v2 geometry other than the default (the prefetch mode)
+                        mla._mla_attention_v2(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, 0, params=prm)
+
+                yield "attention", f"M={M} H={H} L={L}", f"{label}={S}", fn, nb
+        o = cuda.device_array((M, H * dv), np.float32)
+        nb = H * dv * Rkv * wb + 4 * M * H * (Rkv + dv)
+        for v in (1, 2):
+            yield ("uv_project", f"M={M} H={H}", f"v{v}",
+                   lambda i, v=v, ol=o_lat, o=o: mla.uv_project(ol, kv_b, o, version=v), nb)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default="moonlight-16b-a3b,kimi-k2")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "float32"))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="skip the v2 prefetch-mode variants")
+    args = ap.parse_args(argv)
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write); MLA_VERSION default = {mla.VERSION}")
+    out = []
+    for name in args.presets.split(","):
+        print(f"-- {name} ({args.dtype} weights)")
+        print(f"{'kernel':11s} {'shape':20s} {'variant':20s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s} {'x v1':>6s}")
+        base = {}
+        for kernel, shape, variant, fn, nbytes in rows(name, args.dtype, args.quick):
+            us = time_us(fn)
+            gbs = nbytes / us * 1e-3
+            key = (kernel, shape, ("S(max)" if "S(max)" in variant else "S(L)") if kernel == "attention" else "")
+            if variant.startswith("v1"):
+                base[key] = us
+            ref = base.get(key) or base.get((kernel, shape, "S(L)" if kernel == "attention" else ""))
+            sp = f"{ref / us:5.1f}x" if ref else ""
+            print(f"{kernel:11s} {shape:20s} {variant:20s} {us:8.1f} {gbs:7.0f} {100 * gbs * 1e9 / bw:6.1f}% {sp:>6s}",
+                  flush=True)
+            out.append(dict(preset=name, kernel=kernel, shape=shape, variant=variant, us=us, GBps=gbs,
+                            pct_copy=100 * gbs * 1e9 / bw))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bandwidth_GBps": bw / 1e9, "dtype": args.dtype, "rows": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
