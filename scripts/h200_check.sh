@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -78,7 +78,18 @@ drafter)  # the learned drafter on the GPU: its gpu tests, then its acceptance t
     -p no:cacheprovider
   step drafter_cuda 300 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter"; exit 2 ;;
+mla)  # MLA v2 (and MoE's shared _mask_groups) on the GPU: kernel tests, v1-v2 bench, the engine on v2, both benches
+  export KDT_ERR_LOG="$OUT/errors.tsv"
+  step pytest_gpu_mla_moe 200 python3 -m pytest -q -m gpu tests/test_kernels_mla.py tests/test_kernels_moe.py \
+    -p no:cacheprovider --durations=8
+  step bench_mla 120 python3 scripts/bench_mla.py --json "$OUT/mla-v1-v2-$day-bf16.json"
+  step verify_cuda_fp32 90 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step bench_tiny 60 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny.json"
+  step bench_moonlight 240 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
