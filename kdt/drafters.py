@@ -53,24 +53,45 @@ class OracleDrafter:
         self.vocab, self.noise, self.p_true = vocab_size, noise, p_true
         self.rng = np.random.default_rng(seed)
         self.name = "oracle" if noise == 0 else f"noisy-oracle({noise:g})"
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _row_logp(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(column order, sorted log-probabilities [k]) of a row: ``p_true`` for the true token, then
+        geometrically decreasing shares of the rest (cached per k)."""
+        row = self._rows.get(k)
+        if row is None:
+            w = 0.5 ** np.arange(1, k)
+            lp = np.log(np.concatenate([[max(self.p_true, 1e-300)], (1.0 - self.p_true) * w / max(w.sum(), 1e-300)]))
+            order = np.argsort(-lp, kind="stable")
+            row = self._rows[k] = (order, lp[order].astype(np.float32))
+        return row
 
     def draft(self, context, depth: int, k: int):
-        n = len(context)
-        toks = np.empty((depth, k), np.int64)
-        logp = np.empty((depth, k), np.float32)
-        for d in range(depth):
-            i = n + d  # index in `sequence` of the token at depth d+1 after the root
-            true = int(self.sequence[i]) if i < len(self.sequence) else int(self.rng.integers(self.vocab))
-            row_t, row_p = _fill_row([true], [self.p_true], k, self.vocab, self.rng, 1.0 - self.p_true)
-            if self.noise > 0 and self.rng.random() < self.noise:
-                if k > 1 and self.rng.random() < 0.5:  # demote: swap with a random lower rank
-                    r = int(self.rng.integers(1, k))
-                    row_t[[0, r]] = row_t[[r, 0]]
-                else:  # drop: replace by a token not in the row
-                    taken = set(row_t.tolist())
-                    pool = self.rng.choice(self.vocab, size=min(self.vocab, k + 1), replace=False)
-                    row_t[0] = next(int(t) for t in pool if int(t) not in taken)
-            toks[d], logp[d] = row_t, row_p
+        """Vectorised over depths (a step's drafting costs microseconds of host time, so the bench
+        measures the engine, not the oracle): row d holds the true token (a random one past the known
+        sequence) and k-1 distractors, consecutive token ids after a random offset (distinct, never the
+        true token), ordered by :meth:`_row_logp`."""
+        n, V = len(context), self.vocab
+        k = min(k, V)
+        true = self.sequence[n: n + depth]
+        if true.shape[0] < depth:
+            true = np.concatenate([true, self.rng.integers(0, V, depth - true.shape[0])])
+        order, lp = self._row_logp(k)
+        logp = np.broadcast_to(lp, (depth, k)).copy()
+        if k == 1 and self.noise == 0:
+            return true[:, None].copy(), logp
+        # distractors: true + 1 + off + j (mod V), j < k; column k-1 is the spare that "drop" uses
+        off = self.rng.integers(0, max(V - k, 1), depth)
+        cand = (true[:, None] + 1 + off[:, None] + np.arange(k)) % V
+        toks = np.concatenate([true[:, None], cand[:, : k - 1]], axis=1)[:, order]
+        if self.noise > 0:
+            hit = self.rng.random(depth) < self.noise
+            demote = hit & (self.rng.random(depth) < 0.5) & (k > 1)
+            drop = hit & ~demote
+            rows = np.nonzero(demote)[0]
+            r = self.rng.integers(1, max(k, 2), rows.shape[0])
+            toks[rows, 0], toks[rows, r] = toks[rows, r], toks[rows, 0]
+            toks[drop, 0] = cand[drop, k - 1]  # a token no column holds
         return toks, logp
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -89,7 +89,16 @@ mla)  # MLA v2 (and MoE's shared _mask_groups) on the GPU: kernel tests, v1-v2 b
     --json "$OUT/bench-$day-tiny.json"
   step bench_moonlight 240 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla"; exit 2 ;;
+profile)  # where the step's GPU time goes (kernel by kernel), the tests the mla run left, tiny bench, drafter table
+  export KDT_ERR_LOG="$OUT/errors.tsv"
+  step profile_kernels 200 python3 scripts/profile_kernels.py --json "$OUT/profile-kernels-$day.json"
+  step pytest_gpu_rest 150 python3 -m pytest -q -m gpu tests/test_kernels_mla.py tests/test_kernels_moe.py \
+    -k "not test_mla_attention_gpu" -p no:cacheprovider --durations=5
+  step bench_tiny 60 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny.json"
+  step drafter_cuda 100 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

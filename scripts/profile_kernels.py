@@ -1,0 +1,165 @@
+"""Where the GPU time of a decode step goes, kernel by kernel (run on a GPU; not a test, not a benchmark).
+
+    python scripts/profile_kernels.py [--cases tiny,code,moonlight] [--steps 24] [--top 14]
+
+For each case (model, drafter, budget) it runs greedy ``generate`` twice:
+  1. with CUDA graphs (as kdt runs): wall microseconds per step;
+  2. without graphs, every kernel launch bracketed by CUDA events on the launch stream: each kernel's
+     GPU time (the launches are seconds of Python apart, so nothing overlaps and each event pair
+     times one kernel alone).
+It prints, per case, the kernels per step, their summed GPU time, the graph's wall time per step
+and the difference (what launch gaps and the host cost), and the kernels that take the most time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+from numba import cuda
+from numba.cuda import dispatcher as nd
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kdt.config import preset  # noqa: E402
+from kdt.drafters import OracleDrafter, learned_drafter  # noqa: E402
+from kdt.engine import load_target  # noqa: E402
+from kdt.fixture import read_fixture  # noqa: E402
+from kdt.reference.decode import generate  # noqa: E402
+
+
+class KernelTimer:
+    """Brackets every eager kernel launch with CUDA events (installed while ``on``)."""
+
+    def __init__(self):
+        self.events: list[tuple[str, object, object]] = []
+        self.on = False
+        timer = self
+        if not hasattr(nd, "_LaunchConfiguration"):  # the simulator: nothing to time (a dry run)
+            return
+        self._orig = nd._LaunchConfiguration.__call__
+
+        def call(lc, *args):
+            if not timer.on:
+                return timer._orig(lc, *args)
+            e0, e1 = cuda.event(timing=True), cuda.event(timing=True)
+            e0.record()
+            out = timer._orig(lc, *args)
+            e1.record()
+            timer.events.append((lc.dispatcher.py_func.__qualname__.split(".<locals>")[0], e0, e1))
+            return out
+
+        nd._LaunchConfiguration.__call__ = call
+
+    def table(self) -> dict[str, list[float]]:
+        cuda.synchronize()
+        out: dict[str, list[float]] = defaultdict(list)
+        for name, e0, e1 in self.events:
+            out[name].append(cuda.event_elapsed_time(e0, e1) * 1e3)
+        self.events.clear()
+        return out
+
+
+def set_graphs(target, step, drafter, on: bool, saved: dict):
+    """Switch the CUDA graphs of the target, its step program and a learned drafter off (or back)."""
+    objs = [target, step] + ([drafter.model] if hasattr(drafter, "model") else [])
+    for o in objs:
+        if on:
+            o.graphs = saved.get(id(o), o.graphs)
+        else:
+            saved[id(o)] = o.graphs
+            o.graphs = None
+
+
+def run_case(name, target, prompt, drafter_fn, budget, block, steps, timer, top):
+    V = target.cfg.vocab_size
+    n_tok = steps * (block if budget else 1)
+    generate(target, prompt, n_tok, drafter=drafter_fn(), budget=budget, block_size=block)  # warm-up
+    generate(target, prompt, n_tok, drafter=drafter_fn(), budget=budget, block_size=block)  # graphs captured
+    d = drafter_fn()
+    cuda.synchronize()
+    t0 = time.perf_counter()
+    res = generate(target, prompt, n_tok, drafter=d, budget=budget, block_size=block)
+    wall = (time.perf_counter() - t0) / res.steps * 1e6
+    d = drafter_fn()
+    step = target.tree_ops.device_step(d)
+    saved: dict = {}
+    set_graphs(target, step, d, False, saved)
+    timer.on = True
+    res2 = generate(target, prompt, n_tok, drafter=d, budget=budget, block_size=block)
+    timer.on = False
+    set_graphs(target, step, d, True, saved)
+    tab = timer.table()
+    n = res2.steps  # the run includes the prefill's kernels: measured alone below and subtracted
+    timer.on = True
+    generate(target, prompt, 1, drafter=None, budget=0)  # the prefill (+ one AR step) alone
+    timer.on = False
+    pre = timer.table()
+    per = {}
+    for k, v in tab.items():
+        pv = pre.get(k, [])
+        cnt, tot = len(v) - len(pv), sum(v) - sum(pv)
+        per[k] = (cnt / n, tot / n)
+    launches = sum(c for c, _ in per.values())
+    gpu = sum(t for _, t in per.values())
+    print(f"\n== {name}: V={V} budget={budget} block={block}: {res.steps} steps, "
+          f"accept {len(res.tokens) / res.steps:.2f}/step")
+    print(f"   graph wall {wall:.0f} us/step; eager: {launches:.1f} kernels/step, GPU sum {gpu:.0f} us/step "
+          f"-> gaps+host {wall - gpu:.0f} us ({(wall - gpu) / max(launches, 1):.2f} us per kernel)")
+    print(f"   {'kernel':34s} {'n/step':>7s} {'us/step':>8s} {'us each':>8s}")
+    for k, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        if c > 0:
+            print(f"   {k:34s} {c:7.1f} {t:8.1f} {t / c:8.2f}")
+    return {"name": name, "wall_us": wall, "kernels": launches, "gpu_us": gpu,
+            "per_kernel": {k: [c, t] for k, (c, t) in per.items()}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="tiny,code,moonlight")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    timer = KernelTimer()
+    out = []
+    cases = a.cases.split(",")
+    if "tiny" in cases:
+        fx = read_fixture("fixtures/model_tiny.h5")
+        t = load_target(fx.config, fx.weights, "cuda", "float32", 1024, max_tokens=256)
+        V = fx.config.vocab_size
+        prompt = np.arange(16) % V
+        seq = np.concatenate([prompt, generate(t, prompt, 8 * a.steps + 16).tokens, np.zeros(64, np.int64)])
+        out.append(run_case("tiny fp32 AR", t, prompt, lambda: None, 0, 8, a.steps, timer, a.top))
+        out.append(run_case("tiny fp32 oracle chain", t, prompt, lambda: OracleDrafter(seq, V), 7, 8, a.steps,
+                            timer, a.top))
+    if "code" in cases:
+        fx = read_fixture("fixtures/model_code.h5")
+        t = load_target(fx.config, fx.weights, "cuda", "bf16", 1024, max_tokens=256)
+        prompt = np.frombuffer(b"import os\nimport sys\n\n\ndef main(argv):\n    ", np.uint8).astype(np.int64)
+        drafter = learned_drafter(fx, 1024, target=t)
+        B = fx.drafter.config.block_size
+        out.append(run_case("code bf16 AR", t, prompt, lambda: None, 0, B, a.steps, timer, a.top))
+        out.append(run_case("code bf16 learned b16", t, prompt, lambda: drafter, 16, B, a.steps, timer, a.top))
+    if "moonlight" in cases:
+        cfg = preset("moonlight-16b-a3b")
+        t = load_target(cfg, None, "cuda", "bf16", 1024, max_tokens=256)
+        V = cfg.vocab_size
+        prompt = np.random.default_rng(0).integers(0, V, 128)
+        seq = np.concatenate([prompt, generate(t, prompt, 8 * 12 + 16).tokens, np.zeros(64, np.int64)])
+        out.append(run_case("moonlight bf16 AR", t, prompt, lambda: None, 0, 8, 12, timer, a.top))
+        out.append(run_case("moonlight bf16 oracle chain", t, prompt, lambda: OracleDrafter(seq, V), 7, 8, 12,
+                            timer, a.top))
+    if a.json:
+        import json
+
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
