@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -98,7 +98,20 @@ profile)  # where the step's GPU time goes (kernel by kernel), the tests the mla
     --json "$OUT/bench-$day-tiny.json"
   step drafter_cuda 100 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile"; exit 2 ;;
+session4)  # session 4's final run: the benches first (the numbers), then verify and every gpu test touched
+  export KDT_ERR_LOG="$OUT/errors.tsv"
+  step bench_tiny 60 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny.json"
+  step bench_moonlight 110 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json"
+  step drafter_cuda 70 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda.json"
+  step verify_code_cuda 50 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step pytest_gpu_engine 150 python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_ddtree_kernels.py \
+    -k "not parity and not max_budget" -p no:cacheprovider --durations=5
+  step pytest_gpu_linear_moe 120 python3 -m pytest -q -m gpu tests/test_kernels_linear.py tests/test_kernels_moe.py \
+    -p no:cacheprovider --durations=5 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

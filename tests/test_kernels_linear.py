@@ -128,8 +128,9 @@ def test_linear_v2_sim(rng, M, N, K, wdtype, accumulate, tm, splits):
 
 @pytest.mark.kernels
 def test_linear_v2_split_deterministic_and_scratch_reused(rng):
-    """K-split partial sums are reduced in a fixed order: two runs give identical bits; the second call
-    of a shape allocates no new scratch (what CUDA-graph capture needs)."""
+    """K-split partial sums are reduced in a fixed order (by the last block of each tile, same launch):
+    two runs give identical bits; the second call of a shape allocates no new scratch (what CUDA-graph
+    capture needs) and finds every tile's ticket back at zero."""
     M, N, K = 5, 24, 300
     W_store, W_seen, W_fp32 = _weights(rng, N, K, "bf16")
     d_W = cuda.to_device(W_store)
@@ -142,6 +143,9 @@ def test_linear_v2_split_deterministic_and_scratch_reused(rng):
         n_scratch = len(lin._SCRATCH)
     assert len(lin._SCRATCH) == n_scratch
     assert np.array_equal(outs[0], outs[1])
+    # the tile that reduced its splits handed its ticket back: every counter is zero for the next launch
+    for _, tickets in lin._SCRATCH.values():
+        assert not tickets.copy_to_host().any()
     assert rel_err(outs[0], linear_ref(x.copy_to_host().astype(np.float64), W_seen)) < BF16_VS_ROUNDED
 
 

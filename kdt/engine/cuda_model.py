@@ -95,11 +95,12 @@ class LayerWeights:
 
     input_layernorm: object  # [D] f32
     post_attention_layernorm: object  # [D] f32
-    q_a_proj: object | None  # [Rq, D]
+    qkv_a: object  # [Nq + Rkv+dr, D]: q_a_proj (or q_proj) rows, then kv_a_proj_with_mqa rows (one GEMM)
+    q_a_proj: object | None  # [Rq, D] = qkv_a[:Rq]
     q_a_layernorm: object | None  # [Rq] f32
     q_b_proj: object | None  # [H*(dn+dr), Rq]
-    q_proj: object | None  # [H*(dn+dr), D]
-    kv_a_proj_with_mqa: object  # [Rkv+dr, D]
+    q_proj: object | None  # [H*(dn+dr), D] = qkv_a[:H*(dn+dr)]
+    kv_a_proj_with_mqa: object  # [Rkv+dr, D] = qkv_a[Nq:]
     kv_a_layernorm: object  # [Rkv] f32
     kv_b_proj: object  # [H*(dn+dv), Rkv]
     o_proj: object  # [D, H*dv]
@@ -108,11 +109,26 @@ class LayerWeights:
     mlp_down: object | None  # dense layers: [1, D, I]
 
 
+def stack_rows(*mats):
+    """One device matrix [sum N_i, K] holding the rows of each [N_i, K] in turn (inputs freed after)."""
+    out = cuda.device_array((sum(m.shape[0] for m in mats), mats[0].shape[1]), dtype=mats[0].dtype)
+    r = 0
+    for m in mats:
+        out[r: r + m.shape[0]].copy_to_device(m)
+        r += m.shape[0]
+    return out
+
+
 def load_layer(cfg: ModelConfig, src, i: int) -> LayerWeights:
-    """One layer's device weights from a source (:class:`HostWeights` or :class:`RandomWeights`)."""
+    """One layer's device weights from a source (:class:`HostWeights` or :class:`RandomWeights`).
+    q_a_proj (or q_proj) and kv_a_proj_with_mqa read the same normed input: they are stored stacked
+    (``qkv_a``) and run as one GEMM."""
     p = layer_prefix(i)
     a = p + "self_attn."
     q_lora = bool(cfg.q_lora_rank)
+    q_w = src.matrix(a + ("q_a_proj.weight" if q_lora else "q_proj.weight"))
+    Nq = q_w.shape[0]
+    qkv_a = stack_rows(q_w, src.matrix(a + "kv_a_proj_with_mqa.weight"))
     moe_w = gu = dn = None
     if cfg.is_moe_layer(i):
         m = p + "mlp."
@@ -128,11 +144,12 @@ def load_layer(cfg: ModelConfig, src, i: int) -> LayerWeights:
     return LayerWeights(
         input_layernorm=src.vector(p + "input_layernorm.weight"),
         post_attention_layernorm=src.vector(p + "post_attention_layernorm.weight"),
-        q_a_proj=src.matrix(a + "q_a_proj.weight") if q_lora else None,
+        qkv_a=qkv_a,
+        q_a_proj=qkv_a[:Nq] if q_lora else None,
         q_a_layernorm=src.vector(a + "q_a_layernorm.weight") if q_lora else None,
         q_b_proj=src.matrix(a + "q_b_proj.weight") if q_lora else None,
-        q_proj=None if q_lora else src.matrix(a + "q_proj.weight"),
-        kv_a_proj_with_mqa=src.matrix(a + "kv_a_proj_with_mqa.weight"),
+        q_proj=None if q_lora else qkv_a[:Nq],
+        kv_a_proj_with_mqa=qkv_a[Nq:],
         kv_a_layernorm=src.vector(a + "kv_a_layernorm.weight"),
         kv_b_proj=src.matrix(a + "kv_b_proj.weight"),
         o_proj=src.matrix(a + "o_proj.weight"),
@@ -160,7 +177,8 @@ class Buffers:
         self.a = f32(M_max, D)  # normed input of attention / MLP
         self.qa = f32(M_max, cfg.q_lora_rank) if cfg.q_lora_rank else None
         self.q = f32(M_max, H * (dn + dr))
-        self.c = f32(M_max, Rkv + dr)
+        self.Nq = cfg.q_lora_rank or H * (dn + dr)
+        self.qkv = f32(M_max, self.Nq + Rkv + dr)  # [q_a (or q) | c = kv_a_proj_with_mqa output]
         self.q_abs = f32(M_max, H, Rkv)
         self.q_pe = f32(M_max, H, dr)
         self.o_lat = f32(M_max, H, Rkv)
@@ -298,15 +316,15 @@ class DecoderStack:
         vis = b.vis[: M * M].reshape(M, M) if vis is None else vis
         for i, lw in enumerate(self.layers):
             ew.rmsnorm(x, lw.input_layernorm, eps, a, stream=s)
-            q = b.q[:M]
+            linear(a, lw.qkv_a, b.qkv[:M], stream=s)  # [q_a (or q) | c]
+            qkv = b.qkv[:M]
             if lw.q_proj is None:
-                linear(a, lw.q_a_proj, b.qa[:M], stream=s)
-                ew.rmsnorm(b.qa[:M], lw.q_a_layernorm, eps, b.qa[:M], stream=s)
+                ew.rmsnorm(qkv[:, : b.Nq], lw.q_a_layernorm, eps, b.qa[:M], stream=s)
+                q = b.q[:M]
                 linear(b.qa[:M], lw.q_b_proj, q, stream=s)
             else:
-                linear(a, lw.q_proj, q, stream=s)
-            linear(a, lw.kv_a_proj_with_mqa, b.c[:M], stream=s)
-            mla.kv_latent_write(b.c[:M], lw.kv_a_layernorm, eps, positions, self.cos_tab, self.sin_tab, b.L,
+                q = qkv[:, : b.Nq]
+            mla.kv_latent_write(qkv[:, b.Nq:], lw.kv_a_layernorm, eps, positions, self.cos_tab, self.sin_tab, b.L,
                                 self.c_kv[i], self.k_pe[i], cfg.rope_interleave, stream=s)
             mla.q_absorb(q, lw.kv_b_proj, positions, self.cos_tab, self.sin_tab, cfg.rope_interleave,
                          b.q_abs[:M], b.q_pe[:M], stream=s)

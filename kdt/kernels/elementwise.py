@@ -381,6 +381,8 @@ def _register() -> None:
     # rmsnorm of a column slice (buf[:, :Rkv]): non-contiguous 'A' layout arrays
     register_ptx(_rmsnorm_kernel(np.dtype(np.float32)), (f2a, f1, float64, f2a, int64),
                  name="rmsnorm_A_layout")
+    register_ptx(_rmsnorm_kernel(np.dtype(np.float32)), (f2a, f1, float64, f2, int64),
+                 name="rmsnorm_A_to_C")  # the engine's q_a_layernorm: [q_a | c] slice -> qa
     register_ptx(silu_mul_kernel, (f2, f2, f2))
     register_ptx(add_kernel, (f2, f2, f2))
     register_ptx(copy_kernel, (f2, f2))

@@ -40,8 +40,10 @@ instructions per step). The next step's weight words are loaded before the curre
 (double-buffered registers), and hot-loop indices are uint32 over a flat W (no wrap-around code).
 Small N would leave SMs idle (N = 576: 18 row blocks), so :func:`_v2_plan` splits K into S pieces by
 a wave-quantisation model; each piece writes its partial sums to a cached scratch ``[S, M, N]``
-(allocated on a shape's first call, kept: CUDA-graph safe) and :func:`_splitk_reduce` adds them in
-a fixed order (no atomics: bitwise identical run to run). The 32 lane partials of each output are
+(allocated on a shape's first call, kept: CUDA-graph safe), and the last block of each output tile
+to finish (an atomic ticket per tile) adds them in split order in the same launch (no float
+atomics: bitwise identical run to run; a separate reduce kernel cost Moonlight's decode step 83 of
+its 486 launches). The 32 lane partials of each output are
 reduced through shared memory (rotated reads, no bank conflicts), the same code in the simulator.
 ptxas (sm_90): 76 / 108 / 128 / 255 registers for TM = 1 / 4 / 8 / 16, no spills; Numba compiles
 each variant in ~4-15 s. Measured on the H200 (``scripts/bench_linear.py``, bf16, GPU-only, every
@@ -436,10 +438,12 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
     T, R, Us, Ps = range(TM), range(NR), range(U), range(PACK)
     fast = KCE % NT == 0  # full chunks are staged with compile-time offsets
     s = _Src()
-    with s.block("def linear_v2(x, W, Kw, y, part, ks, accumulate):"):
+    with s.block("def linear_v2(x, W, Kw, y, part, tickets, ks, accumulate):"):
         s('"""x[M, K] f32, W[N * Kw] weight words (row-major [N, Kw], Kw = K / PACK, N * Kw < 2**32),')
         s("y[M, N] f32: y = x @ W^T (+ y), or,")
-        s("with gridDim.z = S > 1, part[s, M, N] = the partial sum over words [s * ks, (s + 1) * ks).")
+        s("with gridDim.z = S > 1, part[s, M, N] = the partial sum over words [s * ks, (s + 1) * ks), and")
+        s("the block of a tile that takes its last ticket (tickets[tile], zero between launches) sums")
+        s("the tile's S partials in split order (+ y): deterministic, and no second launch.")
         s("")
         s("grid (cdiv(M, TM), cdiv(N, WARPS * NR), S); block of WARPS warps. Block (bx, by, s) owns tokens")
         s("m0 = bx * TM .. and words [s * ks, ..); its warp w the NR rows n0 = (by * WARPS + w) * NR ..; each")
@@ -541,7 +545,48 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                         with s.block("if accumulate:"):
                             s(f"tot += y[tb + {b * RB // NR}, n]")
                         s(f"y[tb + {b * RB // NR}, n] = tot")
+        # ---- split-K: the last block of the tile (bx, by) to finish adds the S partials, in split order
+        with s.block("if cuda.gridDim.z > 1:"):
+            s("flag = cuda.shared.array(1, int32)")
+            s("tile = cuda.blockIdx.x * cuda.gridDim.y + cuda.blockIdx.y")
+            s("cuda.threadfence()  # this block's partials are visible before its ticket")
+            s("cuda.syncthreads()")
+            with s.block("if tid == 0:"):
+                s("flag[0] = 1 if cuda.atomic.add(tickets, tile, 1) == cuda.gridDim.z - 1 else 0")
+            s("cuda.syncthreads()")
+            with s.block("if flag[0] != 0:"):
+                s("cuda.threadfence()")
+                s("S = cuda.gridDim.z")
+                s("nb = cuda.blockIdx.y * WARPS * NR")
+                with s.block("for e in range(tid, TM * WARPS * NR, NT):"):
+                    s("m = m0 + e // (WARPS * NR)")
+                    s("n = nb + e % (WARPS * NR)")
+                    with s.block("if m < M and n < N:"):
+                        s("tot = ldcg3(part, 0, m, n)  # through L2: other blocks wrote them")
+                        with s.block("for z in range(1, S):"):
+                            s("tot += ldcg3(part, z, m, n)")
+                        with s.block("if accumulate:"):
+                            s("tot += y[m, n]")
+                        s("y[m, n] = tot")
+                with s.block("if tid == 0:"):
+                    s("tickets[tile] = 0  # every ticket of this launch is taken: ready for the next")
     return s.text()
+
+
+if IS_SIM:
+
+    def _ldcg3(a, i, j, k):
+        return a[i, j, k]
+
+else:
+    # the intrinsic behind cuda.ldcg (its @overload wrapper asks the driver for the current device,
+    # which the sm_90 compile check without a GPU cannot answer; kdt.kernels.moe does the same)
+    from numba.cuda.cache_hints import ldcg_intrinsic
+
+    @cuda.jit(device=True, inline=True)
+    def _ldcg3(a, i, j, k):
+        """a[i, j, k] through L2 only (ld.global.cg): partial sums other blocks of the launch wrote."""
+        return ldcg_intrinsic(a, (int64(i), int64(j), int64(k)))
 
 
 @cache
@@ -549,29 +594,13 @@ def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int):
     """The v2 kernel for one weight kind and (TM, NR, U, warps)."""
     _, PACK, _ = _KINDS[kind]
     prm = _v2_params(kind, TM, NR, U, warps)
-    ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, WARP=WARP,
+    ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, WARP=WARP, ldcg3=_ldcg3,
               XS_SHAPE=(PACK, TM, prm["KCW"]), RED_SHAPE=(warps, min(prm["NV"], WARP), WARP))
     if IS_SIM:
         ns.update(unpack_lo=_v2_lo, unpack_hi=_v2_hi, unpack_b=_v2_bf16)
     else:
         ns.update(i2f=libdevice.int_as_float)
     return _jit_source(_v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind]), "linear_v2", ns)
-
-
-@cuda.jit
-def _splitk_reduce(part, y, accumulate):
-    """y[m, n] = part[0, m, n] + part[1, m, n] + ... (+ y[m, n]), in that fixed order (deterministic)."""
-    S, M, N = part.shape
-    i = cuda.grid(1)
-    if i < M * N:
-        m = i // N
-        n = i - m * N
-        tot = part[0, m, n]
-        for s in range(1, S):
-            tot += part[s, m, n]
-        if accumulate:
-            tot += y[m, n]
-        y[m, n] = tot
 
 
 # ---- wrapper ---------------------------------------------------------------------------------------
@@ -668,7 +697,7 @@ def _v2_plan(M: int, N: int, Kw: int, nsm: int, tm: int | None = None, splits: i
 
 
 _DEVICE_INFO: dict = {}  # device id -> SMs
-_SCRATCH: dict = {}  # (device id, S, M, N) -> float32 device array [S, M, N] of split-K partial sums
+_SCRATCH: dict = {}  # (device id, S, M, N, tiles) -> (partial sums [S, M, N] f32, tickets [tiles] i32)
 
 
 def _device() -> tuple[int, int]:
@@ -682,14 +711,16 @@ def _device() -> tuple[int, int]:
     return dev.id, nsm
 
 
-def _scratch(dev: int, S: int, M: int, N: int):
-    """The split-K partial-sum buffer for one shape, allocated on first use and kept for the process,
-    so a CUDA graph captured after that first call keeps a valid pointer (nothing is allocated during
-    a captured forward). Every call with this shape reuses it: callers on one stream (the engine)."""
-    key = (dev, S, M, N)
+def _scratch(dev: int, S: int, M: int, N: int, n_tiles: int):
+    """(partial sums [S, M, N], tickets [n_tiles] int32 = 0) of the split-K for one shape, allocated on
+    first use and kept for the process, so a CUDA graph captured after that first call keeps valid
+    pointers (nothing is allocated during a captured forward); the kernel leaves the tickets at zero.
+    Every call with this shape reuses them: callers on one stream (the engine)."""
+    key = (dev, S, M, N, n_tiles)
     buf = _SCRATCH.get(key)
     if buf is None:
-        buf = _SCRATCH[key] = cuda.device_array((S, M, N), np.float32)
+        buf = _SCRATCH[key] = (cuda.device_array((S, M, N), np.float32),
+                               cuda.to_device(np.zeros(n_tiles, np.int32)))
     return buf
 
 
@@ -698,8 +729,9 @@ def linear_v2(x, W, y, accumulate: bool = False, stream=0, tm: int | None = None
     """:func:`linear` with the v2 kernel (any M); ``tm`` / ``splits`` / ``warps`` override the plan
     (tests, sweeps).
 
-    With S > 1 K-splits, partial sums go to a cached scratch buffer and :func:`_splitk_reduce` adds
-    them in a fixed order (then ``y`` when ``accumulate``): results are identical run to run."""
+    With S > 1 K-splits, partial sums go to a cached scratch buffer and the last block of each output
+    tile to finish (atomic ticket) adds them in split order (then ``y`` when ``accumulate``), in the
+    same launch: results are identical run to run."""
     M, K, N = _check_args(x, W, y)
     if M == 0 or N == 0:
         return
@@ -711,15 +743,14 @@ def linear_v2(x, W, y, accumulate: bool = False, stream=0, tm: int | None = None
     TM, NR, U, warps, S, ks = _v2_plan(M, N, Kw, nsm, tm, splits, warps)
     kern = _v2_kernel(kind, TM, NR, U, warps)
     acc = 1 if accumulate else 0
-    part = _scratch(dev, S, M, N) if S > 1 else _scratch(dev, 1, 1, 1)  # (unused when S == 1)
-    kern[(cdiv(M, TM), cdiv(N, NR * warps), S), warps * WARP, stream](x, W.reshape(N * Kw), Kw, y, part, ks, acc)
-    if S > 1:
-        _splitk_reduce[cdiv(M * N, 256), 256, stream](part, y, acc)
+    grid = (cdiv(M, TM), cdiv(N, NR * warps), S)
+    part, tickets = _scratch(dev, S, M, N, grid[0] * grid[1]) if S > 1 else _scratch(dev, 1, 1, 1, 1)
+    kern[grid, warps * WARP, stream](x, W.reshape(N * Kw), Kw, y, part, tickets, ks, acc)
 
 
 # ---- sm_90 compile check: both paths, every weight-word kind, every skinny tile config -----------------
 def V2_SIG(wt):  # noqa: N802 - the v2 kernel's signature for weight-word type wt
-    return (float32[:, ::1], wt[::1], int64, float32[:, ::1], float32[:, :, ::1], int64, int64)
+    return (float32[:, ::1], wt[::1], int64, float32[:, ::1], float32[:, :, ::1], int32[::1], int64, int64)
 
 
 def _register() -> None:
@@ -737,7 +768,6 @@ def _register() -> None:
             U = V2_U[TM]
             register_ptx(_v2_kernel(kind, TM, V2_NR, U, warps), V2_SIG(wt),
                          name=f"linear_v2_{kind}_{TM}x{V2_NR}_u{U}_w{warps}")
-    register_ptx(_splitk_reduce, (float32[:, :, ::1], x2, int64), name="linear_splitk_reduce")
 
 
 _register()

@@ -1347,10 +1347,12 @@ def _register() -> None:
     u16_1, u16_2 = uint16[::1], uint16[:, ::1]
     i64_1, u8_2 = int64[::1], uint8[:, ::1]
     dn, dr, Rkv = 128, 64, 512
+    f32_2a = float32[:, :]  # a column slice of the engine's stacked [q_a | c] buffer
     for wdt, w1 in (("float32", f32_1), ("uint16", u16_1)):
-        register_ptx(_kv_latent_write_kernel(wdt, 128),
-                     (f32_2, w1, float32, i64_1, f32_2, f32_2, i64_1, f32_2, f32_2, int32),
-                     name=f"kv_latent_write_kernel[{wdt}]")
+        for c_t, lay in ((f32_2, "C"), (f32_2a, "A")):
+            register_ptx(_kv_latent_write_kernel(wdt, 128),
+                         (c_t, w1, float32, i64_1, f32_2, f32_2, i64_1, f32_2, f32_2, int32),
+                         name=f"kv_latent_write_kernel[{wdt},{lay}]")
     for wdt, w2 in (("float32", f32_2), ("uint16", u16_2)):
         for TM in (1, 8):
             register_ptx(_q_absorb_kernel(wdt, dn, TM, 128),
@@ -1370,6 +1372,9 @@ def _register() -> None:
         for TM in (1, 8):
             register_ptx(_q_absorb2_kernel(wdt, dn, TM, 32, 8), (f32_2, w2, i64_1, f32_2, f32_2, int32, f32_3, f32_3),
                          name=f"q_absorb2_kernel[{wdt},TM={TM}]")
+        # q a column slice of the stacked [q | c] buffer (models without q LoRA: Moonlight)
+        register_ptx(_q_absorb2_kernel(wdt, dn, 1, 32, 8), (f32_2a, w2, i64_1, f32_2, f32_2, int32, f32_3, f32_3),
+                     name=f"q_absorb2_kernel[{wdt},TM=1,A]")
         register_ptx(_uv_project_kernel(wdt, Rkv, 32, 8, 1, 1), (f32_3, w2, f32_2),
                      name=f"uv_project_kernel[{wdt},RPW=1]")
     # Moonlight / Kimi (H >= 16; the prefetch modes), H = 4 at Rkv 512 and the tiny fixture (one warp)
