@@ -4,9 +4,9 @@
 
 For each case (model, drafter, budget) it runs greedy ``generate`` twice:
   1. with CUDA graphs (as kdt runs): wall microseconds per step;
-  2. without graphs, every kernel launch bracketed by CUDA events on the launch stream: each kernel's
-     GPU time (the launches are seconds of Python apart, so nothing overlaps and each event pair
-     times one kernel alone).
+  2. without graphs, every kernel launch queued behind a spin kernel and bracketed by CUDA events:
+     each kernel's GPU time alone (the spin outlasts the launch's host cost, so the events see the
+     kernel, not Python).
 It prints, per case, the kernels per step, their summed GPU time, the graph's wall time per step
 and the difference (what launch gaps and the host cost), and the kernels that take the most time.
 """
@@ -28,12 +28,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kdt.config import preset  # noqa: E402
 from kdt.drafters import OracleDrafter, learned_drafter  # noqa: E402
 from kdt.engine import load_target  # noqa: E402
+from kdt.kernels.bench import _spin  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
 from kdt.reference.decode import generate  # noqa: E402
 
 
+SPIN_US = 300  # longer than the host time of one launch: e0, the kernel and e1 run back to back
+
+
 class KernelTimer:
-    """Brackets every eager kernel launch with CUDA events (installed while ``on``)."""
+    """Brackets every eager kernel launch with CUDA events (installed while ``on``), each behind a
+    spin kernel: without it the events would time the launch's host cost (~50-100 us), not the
+    kernel (the first H200 run of this script did exactly that)."""
 
     def __init__(self):
         self.events: list[tuple[str, object, object]] = []
@@ -47,6 +53,7 @@ class KernelTimer:
             if not timer.on:
                 return timer._orig(lc, *args)
             e0, e1 = cuda.event(timing=True), cuda.event(timing=True)
+            timer._orig(_spin[1, 1], SPIN_US)  # holds the GPU while this launch is queued
             e0.record()
             out = timer._orig(lc, *args)
             e1.record()

@@ -120,15 +120,12 @@ def stack_rows(*mats):
 
 
 def load_layer(cfg: ModelConfig, src, i: int) -> LayerWeights:
-    """One layer's device weights from a source (:class:`HostWeights` or :class:`RandomWeights`).
-    q_a_proj (or q_proj) and kv_a_proj_with_mqa read the same normed input: they are stored stacked
-    (``qkv_a``) and run as one GEMM."""
+    """One layer's device weights from a source (:class:`HostWeights` or :class:`RandomWeights`; the
+    order of the draws fixes the random model of a seed: keep it). q_a_proj (or q_proj) and
+    kv_a_proj_with_mqa read the same normed input: they are stored stacked (``qkv_a``), one GEMM."""
     p = layer_prefix(i)
     a = p + "self_attn."
     q_lora = bool(cfg.q_lora_rank)
-    q_w = src.matrix(a + ("q_a_proj.weight" if q_lora else "q_proj.weight"))
-    Nq = q_w.shape[0]
-    qkv_a = stack_rows(q_w, src.matrix(a + "kv_a_proj_with_mqa.weight"))
     moe_w = gu = dn = None
     if cfg.is_moe_layer(i):
         m = p + "mlp."
@@ -141,18 +138,20 @@ def load_layer(cfg: ModelConfig, src, i: int) -> LayerWeights:
             routed_scaling_factor=float(cfg.routed_scaling_factor))
     else:
         gu, dn = src.mlps([p + "mlp."])
+    w = dict(input_layernorm=src.vector(p + "input_layernorm.weight"),
+             post_attention_layernorm=src.vector(p + "post_attention_layernorm.weight"))
+    if q_lora:
+        q_w = src.matrix(a + "q_a_proj.weight")
+        w.update(q_a_layernorm=src.vector(a + "q_a_layernorm.weight"), q_b_proj=src.matrix(a + "q_b_proj.weight"))
+    else:
+        q_w = src.matrix(a + "q_proj.weight")
+        w.update(q_a_layernorm=None, q_b_proj=None)
+    Nq = q_w.shape[0]
+    qkv_a = stack_rows(q_w, src.matrix(a + "kv_a_proj_with_mqa.weight"))
     return LayerWeights(
-        input_layernorm=src.vector(p + "input_layernorm.weight"),
-        post_attention_layernorm=src.vector(p + "post_attention_layernorm.weight"),
-        qkv_a=qkv_a,
-        q_a_proj=qkv_a[:Nq] if q_lora else None,
-        q_a_layernorm=src.vector(a + "q_a_layernorm.weight") if q_lora else None,
-        q_b_proj=src.matrix(a + "q_b_proj.weight") if q_lora else None,
-        q_proj=None if q_lora else qkv_a[:Nq],
-        kv_a_proj_with_mqa=qkv_a[Nq:],
-        kv_a_layernorm=src.vector(a + "kv_a_layernorm.weight"),
-        kv_b_proj=src.matrix(a + "kv_b_proj.weight"),
-        o_proj=src.matrix(a + "o_proj.weight"),
+        **w, qkv_a=qkv_a, q_a_proj=qkv_a[:Nq] if q_lora else None, q_proj=None if q_lora else qkv_a[:Nq],
+        kv_a_proj_with_mqa=qkv_a[Nq:], kv_a_layernorm=src.vector(a + "kv_a_layernorm.weight"),
+        kv_b_proj=src.matrix(a + "kv_b_proj.weight"), o_proj=src.matrix(a + "o_proj.weight"),
         moe=moe_w, mlp_gate_up=gu, mlp_down=dn,
     )
 

@@ -29,9 +29,8 @@ sums are reduced with warp shuffles (shared memory under the simulator). (nr, tt
 fp32 and (8, 4) for bf16 weights (``_TILE``, measured on an H200).
 
 The above is **version 1** (8 launches). **Version 2** (``VERSION`` / env ``KDT_MOE_VERSION``,
-``moe_forward(..., version=)``; by default for M <= ``V2_MAX_M`` = 1, where it measured 1.23-1.32x
-faster on the H200, while at M = 16 / 64 it is 0.8-0.9x / 0.45-0.62x of version 1, and at every M for
-layers of at most ``V2_SMALL_BYTES`` of routed weights, which are launch-bound) computes the same
+``moe_forward(..., version=)``; by default for M <= ``V2_MAX_M`` = 1 only, where it measured 1.23-1.32x
+faster on the H200, while at M = 16 / 64 it is 0.8-0.9x / 0.45-0.62x of version 1) computes the same
 layer in three launches:
 
 A. router logits + the shared experts' gate_up + (in the logits block that takes the last atomic
@@ -678,11 +677,10 @@ V2_MAX_PAIRS = _V2_P_TAIL
 # bf16, docs/perf/moe-v1-v2-2026-11-29-bf16.json): v2 / v1 speed-up 1.32x (Moonlight) and 1.23x (Kimi)
 # at M = 1, but 0.90x / 0.80x at M = 16 and 0.62x / 0.45x at M = 64, so v2 serves the decode step only.
 V2_MAX_M = int(os.environ.get("KDT_MOE_V2_MAX_M", "1"))
-# ...and at every M it takes for a layer whose routed weights are at most this many bytes: there the
-# layer is launch-bound (kdt's tiny and demo models: ~1.5 MB, every kernel a few microseconds), and
-# three launches instead of eight is what counts (H200: the tiny fixture's DDTree chain step runs 3 x 4
-# fewer kernels at M = 8).
-V2_SMALL_BYTES = int(os.environ.get("KDT_MOE_V2_SMALL_BYTES", str(32 << 20)))
+# (Tried in session 4: version 2 at every M for small, launch-bound layers (the tiny fixture's 1.5 MB
+# of experts). Same-run A/B on the H200: tiny verify n = 1/4/16/64 0.293/0.347/0.465/0.808 ms with
+# version 1 at M > 1, 0.303/0.336/0.477/0.850 with version 2; DDTree chain 16750 vs 17082 tok/s: no
+# gain beyond run-to-run noise for 12 fewer launches per step, so the dispatch stays by M alone.)
 _V2_NRL = 2  # router-gate rows per logits block (all its warps split D)
 # Default version of moe_forward. Prediction (H200, bf16): 2 is faster at every M it takes. M=1
 # Moonlight: 3 launches instead of 8, the router's latency hidden behind the shared gate_up, every
@@ -1413,11 +1411,6 @@ class MoEScratch:
                    tickets=cuda.to_device(np.zeros(D, dtype=np.int32), stream=stream))
 
 
-def _small(L: MoEWeights) -> bool:
-    """The layer's routed expert weights fit in ``V2_SMALL_BYTES`` (a launch-bound layer)."""
-    return L.w_gate_up.nbytes + L.w_down.nbytes <= V2_SMALL_BYTES
-
-
 def _v2_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
     """Version 2 runs this layer at M tokens (else version 1 does)."""
     same_dtype = L._sgu is None or np.dtype(L.shared_gate_up.dtype) == np.dtype(L.w_gate_up.dtype)
@@ -1447,7 +1440,7 @@ def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = 
     if M <= 0:
         return
     L, S = layer, scratch
-    use_v2 = version == 2 if version is not None else (VERSION == 2 and (M <= V2_MAX_M or _small(L)))
+    use_v2 = version == 2 if version is not None else (VERSION == 2 and M <= V2_MAX_M)
     if use_v2 and _v2_supported(L, S, M):
         if L.n_group > 1 and (L.E % L.n_group or L.E // L.n_group < 2 or not 1 <= L.topk_group <= L.n_group):
             raise ValueError(f"moe_forward: E={L.E}, n_group={L.n_group}, topk_group={L.topk_group}")
