@@ -28,10 +28,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kdt.config import preset  # noqa: E402
 from kdt.drafters import OracleDrafter, learned_drafter  # noqa: E402
 from kdt.engine import load_target  # noqa: E402
-from kdt.kernels.bench import _spin  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
+from kdt.kernels.bench import _spin  # noqa: E402
 from kdt.reference.decode import generate  # noqa: E402
-
 
 SPIN_US = 300  # longer than the host time of one launch: e0, the kernel and e1 run back to back
 
