@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import linecache
+
 import numpy as np
 from numba import config as _nb_config
 from numba import cuda, int32, uint16, uint32
@@ -106,3 +109,40 @@ def gpu_available() -> bool:
         return bool(cuda.is_available()) and len(cuda.gpus) > 0
     except Exception:  # noqa: BLE001 - no driver, no device
         return False
+
+
+# ---- generated kernels -----------------------------------------------------------------------------
+# Kernels whose per-thread accumulators must stay in registers are written out as Python source with
+# every compile-time loop unrolled (Numba/NVVM do not reliably unroll large nests), then cuda.jit-ed.
+class Src:
+    """Tiny indented-source builder: ``s(line)``; ``with s.block(header):`` indents."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.depth = 0
+
+    def __call__(self, line: str) -> None:
+        self.lines.append("    " * self.depth + line)
+
+    def block(self, line: str):
+        self(line)
+        return self
+
+    def __enter__(self):
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def jit_source(src: str, name: str, namespace: dict, origin: str):
+    """exec generated kernel source (``origin``: the generating module, for tracebacks through
+    linecache; the file name carries a stable digest of the source) and cuda.jit its function ``name``."""
+    filename = f"<{origin} generated {name} {hashlib.sha1(src.encode()).hexdigest()[:12]}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    ns = dict(namespace)
+    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - our own generated source
+    return cuda.jit(ns[name])

@@ -56,14 +56,13 @@ The NumPy reference is :func:`linear_ref` (= :func:`kdt.reference.ops.linear`).
 
 from __future__ import annotations
 
-import linecache
 import os
 from functools import cache
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32
 
-from kdt.kernels.common import IS_SIM, WARP, bf16_to_f32, cdiv, register_ptx
+from kdt.kernels.common import IS_SIM, WARP, Src, bf16_to_f32, cdiv, jit_source, register_ptx
 from kdt.reference.ops import linear as linear_ref  # noqa: F401  (re-exported for tests / callers)
 
 __all__ = ["linear", "linear_v1", "linear_v2", "linear_ref", "SKINNY_MAX_M"]
@@ -193,37 +192,6 @@ _KINDS = {
 # ``for t in range(TM)`` loops once the nest is large (the accumulator array then lands in local memory;
 # seen with numba-cuda 0.30 for TM x NR = 8), so the kernels are generated as Python source with every
 # compile-time loop written out and every accumulator a scalar variable (acc_t_r), then cuda.jit-ed.
-def _jit_source(src: str, name: str, namespace: dict):
-    """exec the generated kernel source, make it visible to tracebacks, and cuda.jit it."""
-    filename = f"<kdt.kernels.linear generated {name}>"
-    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    ns = dict(namespace)
-    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - our own generated source
-    return cuda.jit(ns[name])
-
-
-class _Src:
-    """Tiny indented-source builder."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-        self.depth = 0
-
-    def __call__(self, line: str) -> None:
-        self.lines.append("    " * self.depth + line)
-
-    def block(self, line: str):
-        self(line)
-        return self
-
-    def __enter__(self):
-        self.depth += 1
-
-    def __exit__(self, *exc):
-        self.depth -= 1
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
 
 
 # ---- skinny kernel ---------------------------------------------------------------------------------
@@ -240,7 +208,7 @@ def _skinny_source(TM: int, NR: int, U: int, PACK: int, NV: int, **_) -> str:
     """Python source of the skinny kernel for one (TM, NR, U, PACK), every compile-time loop unrolled."""
     assert NV <= WARP and (NV & (NV - 1)) == 0, "TM * NR must be a power of two <= 32"
     T, R, Us, Ps = range(TM), range(NR), range(U), range(PACK)
-    s = _Src()
+    s = Src()
 
     with s.block("def linear_skinny(x, W, y, accumulate):"):
         s('"""x[M, K] f32, W[N, Kw] weight words (Kw = K / PACK), y[M, N] f32: y = x @ W^T (+ y).')
@@ -340,14 +308,14 @@ def _skinny_kernel(kind: str, TM: int, NR: int, warps: int):
     prm = _skinny_params(kind, TM, NR, warps)
     ns = dict(prm, cuda=cuda, float32=float32, unpack=unpack, WARP=WARP, WZERO=WT(0),
               XS_SHAPE=(PACK, TM, prm["KCW"]), RED_SHAPE=(prm["WARPS"], WARP, prm["NV"]))
-    kern = _jit_source(_skinny_source(**prm), "linear_skinny", ns)
+    kern = jit_source(_skinny_source(**prm), "linear_skinny", ns, __name__)
     return kern, NR * prm["WARPS"], prm["NT"]
 
 
 # ---- wide kernel (tiled GEMM) -------------------------------------------------------------------------
 def _wide_source(BM, BN, BK, RM, RN, NT, **_) -> str:
     TX, TY = BN // RN, BM // RM
-    s = _Src()
+    s = Src()
     with s.block("def linear_wide(x, W, y, accumulate):"):
         s('"""x[M, K] f32, W[N, K] f32|uint16(bf16), y[M, N] f32: y = x @ W^T (+ y).')
         s("")
@@ -411,7 +379,7 @@ def _wide_kernel(kind: str):
     prm = dict(BM=BM, BN=BN, BK=BK, RM=RM, RN=RN, NT=NT)
     ns = dict(prm, cuda=cuda, float32=float32, unpack=unpack,
               XS_SHAPE=(BK, BM + _WIDE_PAD), WS_SHAPE=(BK, BN + _WIDE_PAD))
-    return _jit_source(_wide_source(**prm), "linear_wide", ns), NT
+    return jit_source(_wide_source(**prm), "linear_wide", ns, __name__), NT
 
 
 # ---- v2: register-tiled, split-K kernel (M = 2 .. V2_MAX_M) --------------------------------------------
@@ -437,7 +405,7 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
     each weight row is a 1-D view taken once, so a step costs NR loads and next to no integer work."""
     T, R, Us, Ps = range(TM), range(NR), range(U), range(PACK)
     fast = KCE % NT == 0  # full chunks are staged with compile-time offsets
-    s = _Src()
+    s = Src()
     with s.block("def linear_v2(x, W, Kw, y, part, tickets, ks, accumulate):"):
         s('"""x[M, K] f32, W[N * Kw] weight words (row-major [N, Kw], Kw = K / PACK, N * Kw < 2**32),')
         s("y[M, N] f32: y = x @ W^T (+ y), or,")
@@ -600,7 +568,8 @@ def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int):
         ns.update(unpack_lo=_v2_lo, unpack_hi=_v2_hi, unpack_b=_v2_bf16)
     else:
         ns.update(i2f=libdevice.int_as_float)
-    return _jit_source(_v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind]), "linear_v2", ns)
+    src = _v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind])
+    return jit_source(src, "linear_v2", ns, __name__)
 
 
 # ---- wrapper ---------------------------------------------------------------------------------------

@@ -32,14 +32,13 @@ reassociation.
 from __future__ import annotations
 
 import functools
-import linecache
 import math
 import os
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint8, uint16, uint64
 
-from kdt.kernels.common import IS_SIM, cdiv, device_scalar, register_ptx, weight_loader
+from kdt.kernels.common import IS_SIM, Src, cdiv, device_scalar, jit_source, register_ptx, weight_loader
 
 NEG_INF = float32(-np.inf)
 MAX_SPLITS = 128  # flash-decoding splits per (token, head) at most (shared weights of the combine)
@@ -763,37 +762,6 @@ def _version(version) -> int:
     return v
 
 
-def _jit_source(src: str, name: str, namespace: dict):
-    """exec generated kernel source (visible to tracebacks through linecache) and cuda.jit it."""
-    filename = f"<kdt.kernels.mla generated {name} {abs(hash(src)):x}>"
-    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    ns = dict(namespace)
-    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - our own generated source
-    return cuda.jit(ns[name])
-
-
-class _Src:
-    """Tiny indented-source builder: ``s(line)``; ``with s.block(header):`` indents."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-        self.depth = 0
-
-    def __call__(self, line: str) -> None:
-        self.lines.append("    " * self.depth + line)
-
-    def block(self, line: str):
-        self(line)
-        return self
-
-    def __enter__(self):
-        self.depth += 1
-
-    def __exit__(self, *exc):
-        self.depth -= 1
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
 
 
 def _pow2_le(n: int) -> int:
@@ -855,7 +823,7 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
     of the tile loop); 1 = into registers right after this tile is staged (live through both phases);
     2 = into registers between the score and the p @ c_kv phases (live through the second only),
     stored to the other half of a double-buffered tile, one barrier fewer per tile."""
-    s = _Src()
+    s = Src()
     B = "bf, " if PF == 2 else ""  # tile buffer index of sK
 
     def kref(tt, col) -> str:
@@ -1093,13 +1061,13 @@ def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG:
               RS=Rkv + 2, UDR=np.uint64(dr), URKV=np.uint64(Rkv), SK_SHAPE=sk, SP_SHAPE=(g["BT"], g["R"] + 1),
               SML_SHAPE=(2, g["R"]))
     ns.update({f"U{i}": np.uint64(i) for i in range(max(g["FP"], g["R"]) + 1)})
-    k = _jit_source(_attn2_source(PF=PF, **g), "mla_attention2", ns)
+    k = jit_source(_attn2_source(PF=PF, **g), "mla_attention2", ns, __name__)
     k.geom = g
     return k
 
 
 def _combine2_source(G, NWC, CPC, US, **_) -> str:
-    s = _Src()
+    s = Src()
     with s.block("def mla_combine2(part, S, L_dev, o_lat):"):
         s('"""v2 flash-decoding combine. part as written by the v2 attention (only its ne non-empty')
         s("splits are read; ne from L_dev exactly as the attention derives it). Grid (Rkv // CW, H, M),")
@@ -1176,7 +1144,7 @@ def _combine2_kernel(BT: int, G: int, NWC: int, CPC: int):
         raise ValueError(f"combine block {NT} must be a power of two")
     ns = dict(cuda=cuda, float32=float32, math=math, NEG_INF=NEG_INF, tree_reduce=_tree_reduce, BT=BT, G=G,
               NWC=NWC, CPC=CPC, US=US, NT=NT, CW=CW, MAXS=MAX_SPLITS_V2, RED2_SHAPE=(NWC, CW))
-    k = _jit_source(_combine2_source(G=G, NWC=NWC, CPC=CPC, US=US), "mla_combine2", ns)
+    k = jit_source(_combine2_source(G=G, NWC=NWC, CPC=CPC, US=US), "mla_combine2", ns, __name__)
     k.threads, k.cols = NT, CW
     return k
 
@@ -1252,7 +1220,7 @@ def _q_absorb2_params(M: int, dn: int) -> tuple[int, int, int]:
 
 
 def _q_absorb2_source(TM: int, DPW: int, NWD: int) -> str:
-    s = _Src()
+    s = Src()
     with s.block("def q_absorb2_kernel(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe):"):
         s('"""q[M, H*(dn+dr)] f32, kv_b[H*(dn+dv), Rkv] f32|bf16 -> q_abs[M, H, Rkv] = q_nope @ W_uk[h],')
         s("q_pe[M, H, dr] = rope(q[.., dn:]). Grid (cdiv(Rkv, G), H, cdiv(M, TM)), block (NWD*G,): warp w")
@@ -1316,7 +1284,7 @@ def _q_absorb2_kernel(wdtype: str, dn: int, TM: int, G: int, NWD: int):
     ns = dict(cuda=cuda, float32=float32, uint64=uint64, load=weight_loader(np.dtype(wdtype)),
               rope_elem=_rope_elem, TM=TM, G=G, NT=NT, DN=dn, DPW=DPW, SQ_SHAPE=(TM, dn), RED_SHAPE=(NWD, TM, G))
     ns.update({f"U{i}": np.uint64(i) for i in range(DPW)})
-    k = _jit_source(_q_absorb2_source(TM, DPW, NWD), "q_absorb2_kernel", ns)
+    k = jit_source(_q_absorb2_source(TM, DPW, NWD), "q_absorb2_kernel", ns, __name__)
     k.threads = NT
     return k
 
