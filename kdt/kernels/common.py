@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import linecache
+import os
 
 import numpy as np
 from numba import config as _nb_config
@@ -22,6 +23,11 @@ from numba import cuda, int32, uint16, uint32
 from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401  (host side, re-exported)
 
 IS_SIM: bool = bool(_nb_config.ENABLE_CUDASIM)
+# kdt's small grids are deliberate (one block per token row, a few blocks per head): Numba's "grid size
+# N will likely result in GPU under-utilization" warning fired on most launches and buried the output
+# of `kdt bench` / `kdt verify`. Off unless the user asks for it (NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=1).
+if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in os.environ:
+    _nb_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
 if not IS_SIM:  # compiled kernels are kept on disk across runs (kdt.kernels.jit_cache)
     from kdt.kernels import jit_cache
