@@ -29,7 +29,7 @@ from numba import cuda  # noqa: E402
 
 from kdt.config import preset  # noqa: E402
 from kdt.kernels import moe  # noqa: E402
-from kdt.kernels.bench import copy_bandwidth, rand, time_us  # noqa: E402
+from kdt.kernels.bench import copy_bandwidth, moe_layer, rand, time_us  # noqa: E402
 
 
 def sweep_variants(M: int, k: int) -> list[tuple[str, moe.V2Tiles]]:
@@ -50,14 +50,7 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: bool, bw: float) -
     cfg = preset(name)
     wdt, wb = (np.uint16, 2) if dtype == "bf16" else (np.float32, 4)
     E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-    Is = I * cfg.n_shared_experts
-    layer = moe.MoEWeights(
-        gate_w=rand((E, D), np.float32, 2 / np.sqrt(D)), bias=rand((E,), np.float32, 0.05),
-        w_gate_up=rand((E, 2 * I, D), wdt, 1 / np.sqrt(D)), w_down=rand((E, D, I), wdt, 1 / np.sqrt(I)),
-        shared_gate_up=rand((1, 2 * Is, D), wdt, 1 / np.sqrt(D)) if Is else None,
-        shared_down=rand((1, D, Is), wdt, 1 / np.sqrt(Is)) if Is else None, n_group=cfg.n_group,
-        topk_group=cfg.topk_group, top_k=k, norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor)
+    layer = moe_layer(cfg, wdt)
     scratch = moe.MoEScratch.allocate(cfg, max(Ms))
     rows = []
     for M in Ms:

@@ -65,6 +65,19 @@ def rand(shape, dtype=np.float32, scale=1.0):
     return a
 
 
+def moe_layer(cfg, wdt) -> moe.MoEWeights:
+    """One MoE layer of ``cfg``'s shape with random weights (``wdt``: np.float32 or np.uint16 = bf16)."""
+    E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    Is = I * cfg.n_shared_experts
+    return moe.MoEWeights(
+        gate_w=rand((E, D), np.float32, 2 / np.sqrt(D)), bias=rand((E,), np.float32, 0.05),
+        w_gate_up=rand((E, 2 * I, D), wdt, 1 / np.sqrt(D)), w_down=rand((E, D, I), wdt, 1 / np.sqrt(I)),
+        shared_gate_up=rand((1, 2 * Is, D), wdt, 1 / np.sqrt(D)) if Is else None,
+        shared_down=rand((1, D, Is), wdt, 1 / np.sqrt(Is)) if Is else None, n_group=cfg.n_group,
+        topk_group=cfg.topk_group, top_k=k, norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor)
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     n = nbytes // 4
     a, b = cuda.device_array(n, np.float32), cuda.device_array(n, np.float32)
@@ -115,13 +128,7 @@ def cases(name: str, dtype: str):
                H * dv * Rkv * wb + 4 * M * H * (Rkv + dv), 2 * M * H * dv * Rkv)
     E, k, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     Is = I * cfg.n_shared_experts
-    layer = moe.MoEWeights(
-        gate_w=rand((E, D), np.float32, 2 / np.sqrt(D)), bias=rand((E,), np.float32, 0.05),
-        w_gate_up=rand((E, 2 * I, D), wdt, 1 / np.sqrt(D)), w_down=rand((E, D, I), wdt, 1 / np.sqrt(I)),
-        shared_gate_up=rand((1, 2 * Is, D), wdt, 1 / np.sqrt(D)) if Is else None,
-        shared_down=rand((1, D, Is), wdt, 1 / np.sqrt(Is)) if Is else None, n_group=cfg.n_group,
-        topk_group=cfg.topk_group, top_k=k, norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor)
+    layer = moe_layer(cfg, wdt)
     scratch = moe.MoEScratch.allocate(cfg, 64)
     for M in (1, 16, 64):
         b, out = rand((M, D)), rand((M, D))
