@@ -250,19 +250,23 @@ def train_drafter(
     pattern: str = typer.Option("*.py", help="File pattern under --corpus."),
     eval_prompts: int = typer.Option(8, help="Held-out prompts for the final acceptance table (0: skip)."),
     seed: int = typer.Option(0, help="Seed of data sampling and initialisation."),
+    batch: int = typer.Option(8, help="Sequences per optimizer step (each with 8 blocks)."),
+    device: str = typer.Option("auto", help="torch device of the data generation and training: auto | cpu | "
+                               "cuda (auto: cuda when torch sees a GPU)."),
     eval_only: bool = typer.Option(False, "--eval-only", help="Skip training: the acceptance table of MODEL's "
-                                   "drafter."),
+                                   "drafter (with --out: a copy of MODEL whose drafter meta records it)."),
     backend: str = typer.Option("cpu", help="Backend of the acceptance table: cpu | cuda."),
     dtype: str = typer.Option("float32", help="Target weights on the GPU for the table: float32 | bf16."),
     json_out: Path = typer.Option(None, "--json", help="Write the acceptance table (and training summary) here."),
 ):
     """Train a DFlash-style block drafter for MODEL with torch (the `train` extra) against the target's own
     greedy continuations, store it under /drafter, and print its acceptance on held-out text. On a
-    2-core CPU the default run takes ~15 minutes (data ~2, training --minutes, evaluation ~2)."""
+    2-core CPU the default run takes ~15 minutes (data ~2, training --minutes, evaluation ~2); with a GPU
+    (--device auto picks it) the data takes seconds and --sequences / --batch can grow."""
     from kdt.engine import resolve_backend
     from kdt.fixture import Drafter, copy_with_drafter
     from kdt.tokenizer import load_tokenizer
-    from kdt.train_drafter import TrainArgs, acceptance_table, corpus_streams, train
+    from kdt.train_drafter import TrainArgs, acceptance_table, corpus_streams, torch_device, train
 
     fx = _load(model)
     be = resolve_backend(backend)
@@ -283,7 +287,12 @@ def train_drafter(
             fail(f"{model} carries no learned drafter")
         if eval_prompts < 1:
             fail("--eval-only needs --eval-prompts >= 1")
-        table(corpus_streams(load_tokenizer(fx.tokenizer), corpus and str(corpus), pattern)[1])
+        rows = table(corpus_streams(load_tokenizer(fx.tokenizer), corpus and str(corpus), pattern)[1])
+        if out is not None:
+            fx.drafter.meta["acceptance"] = rows
+            fx.drafter.meta["acceptance_run"] = {"backend": be, "dtype": dtype, "prompts": eval_prompts}
+            copy_with_drafter(model, out, fx.drafter)
+            log(f"wrote {out} (its drafter meta records this table)")
         return
     try:
         import torch  # noqa: F401
@@ -300,12 +309,13 @@ def train_drafter(
         fail(f"--corpus {corpus} is not a directory")
     if minutes <= 0 and steps <= 0:
         fail("give --minutes > 0 or --steps > 0")
-    if min(sequences, eval_sequences, layers, intermediate) < 1 or block_size < 2 or gen_len < block_size + 8:
-        fail("--sequences, --eval-sequences, --layers, --intermediate must be >= 1, --block-size >= 2 and "
+    if min(sequences, eval_sequences, layers, intermediate, batch) < 1 or block_size < 2 or gen_len < block_size + 8:
+        fail("--sequences, --eval-sequences, --layers, --intermediate, --batch must be >= 1, --block-size >= 2 and "
              "--gen-len >= block size + 8")
+    dev = torch_device(device)
     args = TrainArgs(block_size=block_size, layers=layers, intermediate_size=intermediate, target_layers=tl,
                      sequences=sequences, eval_sequences=eval_sequences, gen_len=gen_len, minutes=minutes,
-                     steps=steps, seed=seed)
+                     steps=steps, seed=seed, batch=batch, device=dev, gen_batch=1024 if dev == "cuda" else 64)
     train_stream, eval_stream = corpus_streams(load_tokenizer(fx.tokenizer), corpus and str(corpus), pattern)
     need = args.prompt_len + args.gen_len
     if min(len(train_stream), len(eval_stream)) <= need:

@@ -48,6 +48,18 @@ def _torch():
     return torch
 
 
+def torch_device(name: str = "auto") -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cpu`` / ``cuda`` as given."""
+    from kdt.errors import KdtError
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise KdtError(f"--device must be auto, cpu or cuda (got {name!r})")
+    cuda = _torch().cuda.is_available()
+    if name == "cuda" and not cuda:
+        raise KdtError("--device cuda: torch sees no CUDA GPU")
+    return "cuda" if name == "cuda" or (name == "auto" and cuda) else "cpu"
+
+
 class TorchDrafter:
     """The drafter's equations in torch (naive MLA: explicit per-head keys and values), for training.
 
@@ -57,17 +69,23 @@ class TorchDrafter:
     """
 
     def __init__(self, dcfg: DrafterConfig, target: ModelConfig, embed_tokens: np.ndarray, lm_head: np.ndarray,
-                 weights: dict[str, np.ndarray] | None = None, dtype=None, seed: int = 0):
+                 weights: dict[str, np.ndarray] | None = None, dtype=None, seed: int = 0, device: str = "cpu"):
         torch = _torch()
-        self.dtype = dtype or torch.float32
+        self.dtype, self.device = dtype or torch.float32, device
         self.dcfg, self.cfg = dcfg, dcfg.stack_config(target)
         w = weights or random_drafter_weights(dcfg, target, seed)
-        self.params = {n: torch.tensor(np.asarray(a), dtype=self.dtype, requires_grad=True) for n, a in w.items()}
-        self.embed_tokens = torch.tensor(np.asarray(embed_tokens), dtype=self.dtype)
-        self.lm_head = torch.tensor(np.asarray(lm_head), dtype=self.dtype)
+        self.params = {n: self.tensor(a).requires_grad_() for n, a in w.items()}
+        self.embed_tokens = self.tensor(embed_tokens)
+        self.lm_head = self.tensor(lm_head)
+
+    def tensor(self, a, dtype=None):
+        """A NumPy array on this drafter's device (floating arrays in its dtype unless ``dtype``)."""
+        a = np.asarray(a)
+        dt = dtype or (self.dtype if a.dtype.kind == "f" else None)
+        return _torch().tensor(a, dtype=dt, device=self.device)
 
     def export(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().to(_torch().float32).numpy().copy() for n, p in self.params.items()}
+        return {n: p.detach().to(_torch().float32).cpu().numpy().copy() for n, p in self.params.items()}
 
     def _rms(self, x, w):
         torch = _torch()
@@ -86,9 +104,8 @@ class TorchDrafter:
 
     def rope_tables(self, positions: np.ndarray):
         cos, sin = ops.rope_cos_sin(self.cfg, np.asarray(positions).reshape(-1), np.float64)
-        t = _torch()
         shape = tuple(np.shape(positions)) + (cos.shape[-1],)
-        return (t.tensor(cos.reshape(shape), dtype=self.dtype), t.tensor(sin.reshape(shape), dtype=self.dtype))
+        return self.tensor(cos.reshape(shape)), self.tensor(sin.reshape(shape))
 
     def context(self, features):
         """features [N, T, n_feat*D] -> context rows [N, T, D]."""
@@ -181,31 +198,31 @@ def batch_loss(model: TorchDrafter, tokens: np.ndarray, feats: np.ndarray, ancho
     B = model.dcfg.block_size
     lay = [row_layout(S, a, B) for a in anchors]
     pos = np.stack([x.positions for x in lay])
-    mask = torch.tensor(np.stack([x.mask for x in lay]))
-    tok = torch.tensor(tokens)
-    roots = torch.tensor(anchors)
-    ctx = model.context(torch.tensor(feats, dtype=model.dtype))
+    mask = model.tensor(np.stack([x.mask for x in lay]))
+    tok = model.tensor(tokens)
+    roots = model.tensor(anchors)
+    ctx = model.context(model.tensor(feats))
     blocks = model.block_inputs(tok.gather(1, roots))  # [N, J, B, D]
     J = anchors.shape[1]
     x = torch.cat([ctx, blocks.reshape(N, J * B, -1)], dim=1)
     h = model.stack(x, pos, mask)[:, S:].reshape(N, J, B, -1)[:, :, 1:]  # depths 1..B-1
     logits = model.logits(h)  # [N, J, B-1, V]
-    tgt_idx = roots[..., None] + torch.arange(1, B)  # [N, J, B-1]
+    tgt_idx = roots[..., None] + torch.arange(1, B, device=roots.device)  # [N, J, B-1]
     target = tok.gather(1, tgt_idx.reshape(N, -1)).reshape(N, J, B - 1)
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                            reduction="none").reshape(N, J, B - 1)
-    w = torch.tensor(depth_weights(B, gamma), dtype=ce.dtype)
+    w = model.tensor(depth_weights(B, gamma), dtype=ce.dtype)
     loss = (ce * w).sum(-1).mean() / w.sum()
     hits = (logits.argmax(-1) == target).float().sum(dim=(0, 1))
-    return loss, hits.detach().numpy(), N * J
+    return loss, hits.detach().cpu().numpy(), N * J
 
 
 # ---- data from the target ------------------------------------------------------------------------------
-def target_model(cfg: ModelConfig, weights: dict[str, np.ndarray]):
-    """transformers' DeepseekV3ForCausalLM (float32, CPU) holding the kdt weights."""
+def target_model(cfg: ModelConfig, weights: dict[str, np.ndarray], device: str = "cpu"):
+    """transformers' DeepseekV3ForCausalLM (float32, on ``device``) holding the kdt weights."""
     from kdt.peer import TransformersPeer
 
-    return TransformersPeer(cfg, host_weights=weights, dtype="float32").model
+    return TransformersPeer(cfg, host_weights=weights, dtype="float32").model.to(device)
 
 
 def greedy_sequences(model, prompts: np.ndarray, gen_len: int, batch: int = 64,
@@ -216,10 +233,10 @@ def greedy_sequences(model, prompts: np.ndarray, gen_len: int, batch: int = 64,
     t0 = time.perf_counter()
     with torch.no_grad():
         for i in range(0, len(prompts), batch):
-            ids = torch.tensor(prompts[i:i + batch])
+            ids = torch.tensor(prompts[i:i + batch], device=model.device)
             g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len,
                                min_new_tokens=gen_len, do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(g.numpy())
+            out.append(g.cpu().numpy())
             log(f"  greedy continuations: {min(i + batch, len(prompts))}/{len(prompts)} "
                 f"({time.perf_counter() - t0:.0f} s)")
     return np.concatenate(out).astype(np.int64)
@@ -241,8 +258,8 @@ def hidden_features(model, tokens: np.ndarray, layers: tuple[int, ...], batch: i
     try:
         with torch.no_grad():
             for s in range(0, len(tokens), batch):
-                model(torch.tensor(tokens[s:s + batch]))
-                feats.append(torch.cat([got[i] for i in layers], dim=-1).float().numpy())
+                model(torch.tensor(tokens[s:s + batch], device=model.device))
+                feats.append(torch.cat([got[i] for i in layers], dim=-1).float().cpu().numpy())
     finally:
         for h in handles:
             h.remove()
@@ -273,6 +290,8 @@ class TrainArgs:
     steps: int = 0
     gamma: float = 7.0
     seed: int = 0
+    device: str = "cpu"  # torch device of the data generation and the training
+    gen_batch: int = 64  # prompts per greedy generate() call
 
 
 def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.ndarray, eval_stream: np.ndarray,
@@ -286,17 +305,21 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
                          intermediate_size=a.intermediate_size)
     dcfg.validate(cfg)
     t0 = time.perf_counter()
-    target = target_model(cfg, weights)
-    log(f"data: {a.sequences} + {a.eval_sequences} prompts of {a.prompt_len} tokens, {a.gen_len} greedy tokens each")
-    tr_tok = greedy_sequences(target, random_windows(train_stream, a.sequences, a.prompt_len, rng), a.gen_len, log=log)
+    target = target_model(cfg, weights, a.device)
+    log(f"data: {a.sequences} + {a.eval_sequences} prompts of {a.prompt_len} tokens, {a.gen_len} greedy tokens each "
+        f"(torch on {a.device})")
+    tr_tok = greedy_sequences(target, random_windows(train_stream, a.sequences, a.prompt_len, rng), a.gen_len,
+                              batch=a.gen_batch, log=log)
     ev_tok = greedy_sequences(target, random_windows(eval_stream, a.eval_sequences, a.prompt_len, rng), a.gen_len,
-                              log=log)
+                              batch=a.gen_batch, log=log)
     tr_feat = hidden_features(target, tr_tok, layers)
     ev_feat = hidden_features(target, ev_tok, layers)
     data_s = time.perf_counter() - t0
     log(f"data ready in {data_s:.0f} s: features of layers {list(layers)} ({tr_feat.shape[-1]} per position)")
 
-    model = TorchDrafter(dcfg, cfg, weights["model.embed_tokens.weight"], lm_head_weight(cfg, weights), seed=a.seed)
+    del target
+    model = TorchDrafter(dcfg, cfg, weights["model.embed_tokens.weight"], lm_head_weight(cfg, weights), seed=a.seed,
+                         device=a.device)
     params = list(model.params.values())
     n_params = int(sum(p.numel() for p in params))
     decay = [p for p in params if p.dim() == 2]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -111,7 +111,45 @@ session4)  # session 4's final run: the benches first (the numbers), then verify
     -k "not parity and not max_budget" -p no:cacheprovider --durations=5
   step pytest_gpu_linear_moe 120 python3 -m pytest -q -m gpu tests/test_kernels_linear.py tests/test_kernels_moe.py \
     -p no:cacheprovider --durations=5 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4"; exit 2 ;;
+train)  # issue 8 on the H200: the demo target (torch, scripts/train_target.py), then 1- and 2-layer drafters
+  # side by side (kdt train-drafter --device cuda); the gpu tests of the engine and kernels meanwhile
+  # (correctness only: they share the GPU with the training, so nothing here is timed)
+  ( timeout 560 python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_ddtree_kernels.py \
+      tests/test_kernels_linear.py tests/test_kernels_moe.py tests/test_kernels_mla.py -k "not parity and not max_budget" \
+      -p no:cacheprovider --durations=5 > "$OUT/pytest_gpu.log" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  step train_target 300 python3 scripts/train_target.py --device cuda --steps 0 --minutes ${TRAIN_MIN:-3.5} \
+    --batch 64 --warmup 100 --out /tmp/tt --fixture /tmp/tt/model_code.h5
+  cp /tmp/tt/train_log.json "$OUT/train_target_log.json"
+  for L in 1 2; do
+    timeout 230 python3 -m kdt.cli train-drafter /tmp/tt/model_code.h5 --out "$OUT/model_code_d$L.h5" --layers $L \
+      --device cuda --minutes ${DRAFT_MIN:-2.2} --sequences 1536 --batch 32 --eval-prompts 0 \
+      > "$OUT/train_drafter_d$L.log" 2>&1 &
+  done
+  wait
+  summary+=("$(tail -n 2 "$OUT/pytest_gpu.log" | tr '\n' ' ')")
+  for L in 1 2; do summary+=("d$L: $(grep final: "$OUT/train_drafter_d$L.log" | cut -c1-150)"); done ;;
+drafters)  # issue 8: drafters for fixtures/model_code.h5 side by side (torch on the GPU), then each one's acceptance
+  # table on held-out stdlib files on kdt's CUDA engine alone on the GPU (timed), written into its copy's drafter
+  # meta; then kdt verify of the first. DRAFT_VARIANTS="layers:intermediate ...";
+  # DRAFT_CORPUS=site: train on transformers' own *.py files (code the target never saw: not memorised)
+  [ "${DRAFT_CORPUS:-}" = site ] && DRAFT_CORPUS=$(python3 -c 'import os, transformers; print(os.path.dirname(transformers.__file__))')
+  corpus=${DRAFT_CORPUS:+--corpus $DRAFT_CORPUS}; echo "corpus: ${DRAFT_CORPUS:-stdlib}" > "$OUT/corpus.txt"
+  names=()
+  for V in ${DRAFT_VARIANTS:-2:512 1:512}; do
+    L=${V%%:*}; I=${V##*:}; n=d${L}i$I; names+=($n)
+    timeout ${DRAFT_TIMEOUT:-330} python3 -m kdt.cli train-drafter fixtures/model_code.h5 --out /tmp/$n.h5 --layers $L \
+      --intermediate $I --device cuda --minutes ${DRAFT_MIN:-3} --sequences ${DRAFT_SEQ:-12288} --batch 64 \
+      --eval-prompts 0 $corpus > "$OUT/train_drafter_$n.log" 2>&1 &
+  done
+  wait
+  for n in "${names[@]}"; do
+    summary+=("$n: $(grep final: "$OUT/train_drafter_$n.log" | cut -c1-150)")
+    step drafter_cuda_$n 170 python3 -m kdt.cli train-drafter /tmp/$n.h5 --eval-only --backend cuda --dtype bf16 \
+      --out "$OUT/model_code_$n.h5" --json "$OUT/drafter-$day-model_code-cuda-$n.json"
+  done
+  step verify_code_cuda 60 python3 -m kdt.cli verify "$OUT/model_code_${names[0]}.h5" --backend cuda --dtype bf16
+  tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

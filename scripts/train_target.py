@@ -16,7 +16,8 @@ What it does, deterministically for a given ``--seed`` and step count:
   ``noaux_tc`` routing). The router's ``e_score_correction_bias`` is not a trained parameter: it gets
   DeepSeek-V3's auxiliary-loss-free update after every step (``bias += gamma * sign(mean_load - load)``
   per layer, from the experts the batch actually routed to).
-- training: fp32 on the CPU, ``torch.set_num_threads(os.cpu_count())``, random 257-byte windows of the
+- training: fp32 on ``--device`` (auto: the GPU when torch sees one, TF32 matmuls there; else the CPU with
+  ``torch.set_num_threads(os.cpu_count())``), random 257-byte windows of the
   training stream (numpy ``default_rng(seed)``), AdamW (weight decay on matrices only), linear warmup then
   cosine decay to 10 %, gradient clipping at 1. The train loss is printed every ``--log-every`` steps and
   the held-out loss (a fixed set of evenly spaced windows of the held-out stream) every
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-windows", type=int, default=128, help="held-out windows for periodic evals")
     ap.add_argument("--final-eval-windows", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="torch device (auto: cuda when torch sees a GPU)")
     ap.add_argument("--golden-new", type=int, default=25, help="greedy tokens per golden trace")
     ap.add_argument("--golden-lengths", default="8,24,64", help="golden prompt lengths (bytes)")
     ap.add_argument("--min-margin", type=float, default=0.05)
@@ -118,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     np.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     torch.set_num_threads(max(1, args.threads))
+    dev = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if dev == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for the fp32 matmuls
     args.out.mkdir(parents=True, exist_ok=True)
 
     # -- data
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     # -- model
     hc = transformers.DeepseekV3Config(**MODEL_CONFIG)
     hc._attn_implementation = "sdpa"
-    model = transformers.DeepseekV3ForCausalLM(hc)
+    model = transformers.DeepseekV3ForCausalLM(hc).to(dev)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     D, I = hc.hidden_size, hc.moe_intermediate_size  # noqa: E741
@@ -147,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         + hc.num_experts_per_tok * expert * (hc.num_hidden_layers - hc.first_k_dense_replace)
     print(f"model: DeepseekV3ForCausalLM {n_params / 1e6:.3f} M parameters ({n_active / 1e6:.3f} M active "
           f"per token); torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.get_num_threads()} threads", flush=True)
+          f"{torch.cuda.get_device_name() if dev == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}",
+          flush=True)
 
     # aux-loss-free balancing: remember which experts each MoE layer routed to in this step
     routed: dict[str, list] = {}
@@ -170,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     V = hc.vocab_size
 
     def loss_of(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(dev)
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
         return torch.nn.functional.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1))
 
@@ -272,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "final_heldout_bits_per_byte": round(final_held / LN2, 5),
         "final_train_bits_per_byte": round(final_train / LN2, 5), "loss_unit": "nats per byte",
         "params": n_params, "active_params": n_active,
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
     }
     golden_info = write_fixture_from_hf(hf_dir, args.fixture, args.out, summary, held, held_stream, held_starts,
                                         root, args)

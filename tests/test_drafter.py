@@ -161,17 +161,24 @@ def test_train_drafter_cli_smoke(tmp_path):
     assert doc["drafter"] == "learned" and doc["block_size"] == 4 and len(doc["tokens"]) == 8
     r = run_kdt("verify", out, "--backend", "cpu")
     assert r.returncode == 0 and "learned" in r.stdout, r.stdout[-2000:]
-    r = run_kdt("train-drafter", out, "--eval-only", "--eval-prompts", "1", "--json", tmp_path / "acc.json")
+    r = run_kdt("train-drafter", out, "--eval-only", "--eval-prompts", "1", "--json", tmp_path / "acc.json",
+                "--out", tmp_path / "evaluated.h5")
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads((tmp_path / "acc.json").read_text())
     assert [row["drafter"] for row in doc["acceptance"]][:2] == ["ar", "learned chain"]
     assert doc["training"]["steps"] == 2
+    # --eval-only --out: a copy whose drafter meta records this table (the drafter itself unchanged)
+    ev = read_fixture(tmp_path / "evaluated.h5")
+    assert ev.drafter.meta["acceptance"] == doc["acceptance"]
+    assert ev.drafter.meta["acceptance_run"] == {"backend": "cpu", "dtype": "float32", "prompts": 1}
+    assert all(np.array_equal(ev.drafter.weights[n], fx.drafter.weights[n]) for n in fx.drafter.weights)
 
 
 @pytest.mark.parametrize("args, msg", [
     (("--target-layers", "9"), "target_layers"),
     (("--target-layers", "x"), "--target-layers"),
     (("--minutes", "0"), "--minutes"),
+    (("--device", "gpu"), "--device"),
 ])
 def test_train_drafter_refusals(tmp_path, args, msg):
     from kdt.testing import run_kdt
