@@ -327,6 +327,7 @@ def train_drafter(
     log(f"wrote {dest} with its drafter ({sum(a.size for a in weights.values()) / 1e6:.2f}M parameters)")
     if eval_prompts > 0:
         summary["acceptance"] = table(eval_stream)
+        summary["acceptance_run"] = {"backend": be, "dtype": dtype, "prompts": eval_prompts}
         copy_with_drafter(dest, dest, fx.drafter)  # again, with the acceptance table in its meta
 
 

@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA GPU")
+
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
