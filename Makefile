@@ -6,7 +6,7 @@ FIXTURE ?= fixtures/model_tiny.h5
 CODE_MODEL ?= fixtures/model_code.h5
 STAMP   := $(VENV)/.kdt-installed
 
-.PHONY: setup run verify generate test test-gpu lint bench gen-ref clean
+.PHONY: setup run verify generate test test-gpu lint bench gen-ref train-demo clean
 
 setup: $(STAMP)  ## create .venv and install kdt with its test extra
 
@@ -42,6 +42,16 @@ bench: $(STAMP)
 
 gen-ref: $(STAMP)  ## regenerate the golden fixture (only when the reference itself changes)
 	$(BIN)/kdt gen-ref --out $(FIXTURE)
+
+# The recipe of the committed demo model (session 5, on the H200): the target, then its drafter and the
+# drafter's acceptance table on kdt's CUDA engine. Needs a CUDA GPU and the train extra; GPU training is
+# not bitwise repeatable, so the numbers come out close to, not equal to, docs/PERF.md's.
+train-demo: $(STAMP)  ## retrain fixtures/model_code.h5 (target + drafter) on a GPU, ~10 minutes
+	$(BIN)/pip install -q -e '.[train]'
+	$(BIN)/python scripts/train_target.py --device cuda --steps 5458 --minutes 0 --batch 64 --warmup 100 \
+		--fixture $(CODE_MODEL)
+	$(BIN)/kdt train-drafter $(CODE_MODEL) --device cuda --steps 1951 --minutes 0 --sequences 12288 --batch 64 \
+		--backend cuda --dtype bf16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
