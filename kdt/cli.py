@@ -282,6 +282,9 @@ def train_drafter(
             log(f"wrote {json_out}")
         return rows
 
+    def record(rows: list[dict]) -> None:  # the table and how it was measured, into the drafter's meta
+        fx.drafter.meta.update(acceptance=rows, acceptance_run={"backend": be, "dtype": dtype, "prompts": eval_prompts})
+
     if eval_only:
         if fx.drafter is None:
             fail(f"{model} carries no learned drafter")
@@ -289,8 +292,7 @@ def train_drafter(
             fail("--eval-only needs --eval-prompts >= 1")
         rows = table(corpus_streams(load_tokenizer(fx.tokenizer), corpus and str(corpus), pattern)[1])
         if out is not None:
-            fx.drafter.meta["acceptance"] = rows
-            fx.drafter.meta["acceptance_run"] = {"backend": be, "dtype": dtype, "prompts": eval_prompts}
+            record(rows)
             copy_with_drafter(model, out, fx.drafter)
             log(f"wrote {out} (its drafter meta records this table)")
         return
@@ -315,7 +317,7 @@ def train_drafter(
     dev = torch_device(device)
     args = TrainArgs(block_size=block_size, layers=layers, intermediate_size=intermediate, target_layers=tl,
                      sequences=sequences, eval_sequences=eval_sequences, gen_len=gen_len, minutes=minutes,
-                     steps=steps, seed=seed, batch=batch, device=dev, gen_batch=1024 if dev == "cuda" else 64)
+                     steps=steps, seed=seed, batch=batch, device=dev)
     train_stream, eval_stream = corpus_streams(load_tokenizer(fx.tokenizer), corpus and str(corpus), pattern)
     need = args.prompt_len + args.gen_len
     if min(len(train_stream), len(eval_stream)) <= need:
@@ -326,8 +328,7 @@ def train_drafter(
     copy_with_drafter(model, dest, fx.drafter)  # saved before the evaluation: nothing trained is lost
     log(f"wrote {dest} with its drafter ({sum(a.size for a in weights.values()) / 1e6:.2f}M parameters)")
     if eval_prompts > 0:
-        summary["acceptance"] = table(eval_stream)
-        summary["acceptance_run"] = {"backend": be, "dtype": dtype, "prompts": eval_prompts}
+        record(table(eval_stream))
         copy_with_drafter(dest, dest, fx.drafter)  # again, with the acceptance table in its meta
 
 

@@ -291,7 +291,6 @@ class TrainArgs:
     gamma: float = 7.0
     seed: int = 0
     device: str = "cpu"  # torch device of the data generation and the training
-    gen_batch: int = 64  # prompts per greedy generate() call
 
 
 def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.ndarray, eval_stream: np.ndarray,
@@ -306,12 +305,13 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
     dcfg.validate(cfg)
     t0 = time.perf_counter()
     target = target_model(cfg, weights, a.device)
+    gen_batch = 1024 if a.device == "cuda" else 64  # prompts per greedy generate() call
     log(f"data: {a.sequences} + {a.eval_sequences} prompts of {a.prompt_len} tokens, {a.gen_len} greedy tokens each "
         f"(torch on {a.device})")
     tr_tok = greedy_sequences(target, random_windows(train_stream, a.sequences, a.prompt_len, rng), a.gen_len,
-                              batch=a.gen_batch, log=log)
+                              batch=gen_batch, log=log)
     ev_tok = greedy_sequences(target, random_windows(eval_stream, a.eval_sequences, a.prompt_len, rng), a.gen_len,
-                              batch=a.gen_batch, log=log)
+                              batch=gen_batch, log=log)
     tr_feat = hidden_features(target, tr_tok, layers)
     ev_feat = hidden_features(target, ev_tok, layers)
     data_s = time.perf_counter() - t0

@@ -116,15 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: torch sees no CUDA GPU")
+    from kdt.errors import KdtError
+    from kdt.train_drafter import torch_device
+
+    try:
+        dev = torch_device(args.device)
+    except KdtError as e:
+        ap.error(str(e))
 
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     torch.set_num_threads(max(1, args.threads))
-    dev = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     if dev == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for the fp32 matmuls
     args.out.mkdir(parents=True, exist_ok=True)
