@@ -463,6 +463,26 @@ def _mask_groups(sh_c, sh_g, w, lane, E, n_group, topk_group):
     _warp_sync()
 
 
+@_device
+def _scan2(a, b, tid, n):
+    """Inclusive Hillis-Steele scans of the shared int arrays ``a[:n]`` and ``b[:n]`` together (both
+    grouping kernels: expert counts and "expert is active" flags). Thread ``tid < n`` owns entry tid;
+    every thread of the block must call it (it synchronises)."""
+    off = 1
+    while off < n:
+        ta = 0
+        tb = 0
+        if tid >= off and tid < n:
+            ta = a[tid - off]
+            tb = b[tid - off]
+        cuda.syncthreads()
+        if tid < n:
+            a[tid] += ta
+            b[tid] += tb
+        cuda.syncthreads()
+        off *= 2
+
+
 @cuda.jit
 def _moe_router_kernel(logits, bias, M, n_group, topk_group, top_k, norm, scale, topk_idx, topk_w):
     """One warp per token m < M: logits[M, E] f32, bias[E] f32 -> topk_idx[M, k] int32, topk_w[M, k] f32.
@@ -570,19 +590,7 @@ def _moe_group_kernel(topk_idx, M, E, counts, offsets, sorted_rows, sorted_slot,
         sc[tid] = v
         sa[tid] = a
     cuda.syncthreads()
-    off = 1
-    while off < nth:  # Hillis-Steele inclusive scans of counts and of (count > 0)
-        tv = 0
-        ta = 0
-        if tid >= off and tid < E_MAX:
-            tv = sc[tid - off]
-            ta = sa[tid - off]
-        cuda.syncthreads()
-        if tid < E_MAX:
-            sc[tid] += tv
-            sa[tid] += ta
-        cuda.syncthreads()
-        off *= 2
+    _scan2(sc, sa, tid, nth)  # inclusive scans of counts and of (count > 0); nth <= E_MAX
     base = 0
     if tid < E:
         base = sc[tid] - v
@@ -939,19 +947,7 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                 scan_v[tid] = sv
                 scan_a[tid] = sa
             cuda.syncthreads()
-            off = 1
-            while off < SCAN_N:  # Hillis-Steele inclusive scans of per-thread counts / active experts
-                tv = 0
-                ta = 0
-                if tid >= off and tid < SCAN_N:
-                    tv = scan_v[tid - off]
-                    ta = scan_a[tid - off]
-                cuda.syncthreads()
-                if tid < SCAN_N:
-                    scan_v[tid] += tv
-                    scan_a[tid] += ta
-                cuda.syncthreads()
-                off *= 2
+            _scan2(scan_v, scan_a, tid, SCAN_N)  # inclusive scans of per-thread counts / active experts
             if tid < SCAN_N:
                 run_v = scan_v[tid] - sv
                 run_a = scan_a[tid] - sa
