@@ -1,15 +1,18 @@
 """MoE layer, version 1 (8 launches) vs version 2 (3 launches), GPU time only, on the H200.
 
     python scripts/bench_moe.py [--presets moonlight-16b-a3b,kimi-k2] [--M 1,16,64] [--dtype bf16]
-                                [--sweep] [--json PATH]
+                                [--sweep] [--parts] [--json PATH]
 
 Per preset and M: us per moe_forward, GB/s of the bytes that must move once (the distinct routed
 experts the M random tokens select + the shared experts + the fp32 router gate; same model as
 ``python -m kdt.kernels.bench``), % of the device copy bandwidth measured in the same run, speed-up
 over version 1, and the relative difference of each output to version 1's (a wrong kernel shows up
 here as ~1e-1 or nan; the tests' bound against float64 is 1e-5). ``--sweep`` adds version-2 launch
-shapes beside the default (``kdt.kernels.moe.V2Tiles``) so one run picks the best. Every new launch
-shape compiles its kernels first (5-30 s each), outside the timed region.
+shapes beside the default (``kdt.kernels.moe.V2Tiles``) so one run picks the best. ``--parts`` times
+version 2's launches as growing prefixes of the forward, each launch's first role (``moe.V2Launch.head``:
+A's router logits + routing tail without the shared gate_up, B's routed gate_up without the shared
+down) before the whole launch: the increments say where the forward's time goes. Every new launch shape compiles its
+kernels first (5-30 s each), outside the timed region.
 """
 
 from __future__ import annotations
@@ -37,16 +40,41 @@ def sweep_variants(M: int, k: int) -> list[tuple[str, moe.V2Tiles]]:
     t = moe.v2_tiles(M, k)
     r = dataclasses.replace
     if M <= 1:
-        return [("rows2_words8", r(t, nr=2, u=8)), ("8warps", r(t, nw=8)), ("no_cs", r(t, cs=False, cs_s=False)),
-                ("C_rows8_words2", r(t, nr_c=8, u_c=2)), ("C_8warps", r(t, nw_c=8)),
-                ("C_2experts", r(t, jc=2))]
+        return [("kernel_B_shared_last", r(t, sd_first=False)), ("rows8_words2", r(t, nr=8, u=2, nr_c=8, u_c=2)),
+                ("words2", r(t, u=2, u_c=2)), ("words8", r(t, u=8, u_c=8)), ("C_8warps", r(t, nw_c=8))]
     if M <= 16:
-        return [("tt2", r(t, tt=2, tt_c=2)), ("C_4experts", r(t, jc=4))]
+        return [("tt2", r(t, tt=2, tt_c=2)), ("tt2_sd_first", r(t, tt=2, tt_c=2, sd_first=True)),
+                ("sd_first", r(t, sd_first=True)), ("tt8_words2", r(t, tt=8, tt_c=8, u=2, u_c=2, sd_first=True))]
     return [("rows8_tt4", r(t, nr=8, tt=4, tt_s=4, nr_c=8, tt_c=4)), ("C_8experts", r(t, jc=8)),
             ("words1", r(t, u=1, u_c=1, u_l=1)), ("C_2warps", r(t, nw_c=2))]
 
 
-def bench_preset(name: str, Ms: list[int], dtype: str, sweep: bool, bw: float) -> list[dict]:
+def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> list[dict]:
+    """Version 2's launches timed as growing prefixes of the forward (A's head, A, A + B's head, A + B,
+    A + B + C; the head of a launch is its first role alone, ``moe.V2Launch.head``). Prefixes, not
+    launches alone: alone, a launch would re-read weights that the L2 (60 MB) still holds."""
+    launches = moe.v2_launches(b, layer, scratch, out, M, accumulate=False)
+    rows, prev = [], 0.0
+    for n, ln in enumerate(launches):
+        for part, grid in (("head", ln.head), ("whole", ln.grid)):
+            if part == "head" and ln.head == ln.grid:
+                continue
+
+            def fn(i, n=n, g=grid):
+                for x in launches[:n]:
+                    x()
+                launches[n](grid=g)
+
+            us = time_us(fn)
+            label = f"+ {ln.name} ({part}, {grid} blocks x {ln.threads})"
+            rows.append(dict(preset=name, M=M, variant=f"prefix {label}", us=us, added_us=us - prev))
+            print(f"{name:18s} {M:3d}   {label:52s} {us:8.1f} us  (+{us - prev:.1f})", flush=True)
+            prev = us
+    print(f"{name:18s} {M:3d}   (the whole forward through moe_forward: {us_whole:.1f} us)", flush=True)
+    return rows
+
+
+def bench_preset(name: str, Ms: list[int], dtype: str, sweep: bool, bw: float, parts: bool = False) -> list[dict]:
     cfg = preset(name)
     wdt, wb = (np.uint16, 2) if dtype == "bf16" else (np.float32, 4)
     E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
@@ -81,6 +109,8 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: bool, bw: float) -
             print(f"{name:18s} {M:3d} {vname:16s} {us:8.1f} {gbs:7.0f} {row['pct_copy']:6.0f}% "
                   f"{us_v1 / us:5.2f}x {diff:11.1e}   ({n_active} experts, first call {t_compile:.0f} s)",
                   flush=True)
+            if parts and vname == "v2":
+                rows += bench_parts(name, M, b, layer, scratch, out, us)
     return rows
 
 
@@ -90,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--M", default="1,16,64")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "float32"))
     ap.add_argument("--sweep", action="store_true", help="also time version-2 launch-shape variants")
+    ap.add_argument("--parts", action="store_true", help="also time version 2's launches one by one")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
@@ -98,7 +129,7 @@ def main(argv=None) -> int:
     print(f"{'preset':18s} {'M':>3s} {'variant':16s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s} {'vs v1':>6s} "
           f"{'rel diff v1':>11s}", flush=True)
     for name in args.presets.split(","):
-        rows += bench_preset(name, [int(m) for m in args.M.split(",")], args.dtype, args.sweep, bw)
+        rows += bench_preset(name, [int(m) for m in args.M.split(",")], args.dtype, args.sweep, bw, args.parts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth_GBps": bw / 1e9, "dtype": args.dtype, "rows": rows}, f, indent=1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|all-tests
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -149,7 +149,49 @@ drafters)  # issue 8: drafters for fixtures/model_code.h5 side by side (torch on
   done
   step verify_code_cuda 60 python3 -m kdt.cli verify "$OUT/model_code_${names[0]}.h5" --backend cuda --dtype bf16
   tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters"; exit 2 ;;
+moe)  # issue 7's MoE lever: where version 2's time goes (GPU alone: launch prefixes, launch-shape sweep, ncu
+  # counters if this machine's runtime gives them), the per-kernel profile of the decode steps; then MoE's gpu tests
+  # and kdt verify on CUDA (correctness, after the timings)
+  step bench_moe 240 python3 scripts/bench_moe.py --presets moonlight-16b-a3b,kimi-k2 --M ${MOE_M:-1} --sweep --parts \
+    --json "$OUT/moe-$day-bf16.json"
+  step profile_kernels 200 python3 scripts/profile_kernels.py --json "$OUT/profile-kernels-$day.json"
+  step ncu_moe 100 ncu --clock-control none -k regex:moe2 -c 3 --section SpeedOfLight --section Occupancy \
+    --section LaunchStats python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 1
+  export KDT_ERR_LOG="$OUT/errors.tsv"
+  step pytest_gpu_moe 150 python3 -m pytest -q -m gpu tests/test_kernels_moe.py -p no:cacheprovider --durations=5
+  step verify_cuda_fp32 60 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16 ;;
+moe-ab)  # MoE version 2's launch-shape variants (bench_moe --sweep), then MoE's gpu tests
+  step bench_moe 300 python3 scripts/bench_moe.py --presets moonlight-16b-a3b,kimi-k2 --M ${MOE_M:-1,8} --sweep --parts \
+    --json "$OUT/moe-$day-bf16.json"
+  export KDT_ERR_LOG="$OUT/errors.tsv"
+  step pytest_gpu_moe 150 python3 -m pytest -q -m gpu tests/test_kernels_moe.py -p no:cacheprovider --durations=5 ;;
+session6)  # the engine after session 6's MoE change: both benches first (GPU alone), then kdt verify and the
+  # engine's gpu tests
+  step bench_tiny 120 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny.json"
+  step bench_moonlight 240 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json"
+  step verify_cuda_fp32 40 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 40 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step pytest_gpu_engine 120 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -p no:cacheprovider --durations=5 ;;
+all-tests)  # every gpu-marked test, three pytest processes side by side (correctness only, nothing timed),
+  # then kdt verify on CUDA
+  export KDT_ERR_LOG="$OUT/errors.tsv"
+  par() {  # par NAME FILES...: a background pytest process
+    local name=$1; shift
+    ( timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "$@" -p no:cacheprovider --durations=5 \
+        > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log" ) &
+  }
+  par pytest_mla tests/test_kernels_mla.py
+  par pytest_ddtree tests/test_ddtree_kernels.py
+  par pytest_rest tests/test_kernels_linear.py tests/test_kernels_elementwise.py tests/test_kernels_moe.py \
+    tests/test_kernels_randn.py tests/test_engine_cuda.py tests/test_convert.py
+  wait
+  for n in pytest_mla pytest_ddtree pytest_rest; do summary+=("$n: $(tail -n 2 "$OUT/$n.log" | tr '\n' ' ')"); done
+  step verify_cuda_fp32 60 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|all-tests"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -332,13 +332,16 @@ def _check_v2_state(cfg, b, w, scratch, M):
 
 # simulator launch shapes beside the default one: odd tiles (1-warp blocks, 1-2 rows per warp, 3-token
 # tiles, 3 words in flight, 5 experts per down block, no streaming hint) so that every partial-tile
-# and partial-word path runs, and a wide one (4-warp blocks, 8 rows per warp)
+# and partial-word path runs, a wide one (4-warp blocks, 8 rows per warp), one with kernel B's blocks reordered
 V2_SIM_TILES = {
     "default": None,
     "odd": moe.V2Tiles(nw=1, nr=2, u=1, tt=1, tt_s=3, u_l=1, nw_c=1, nr_c=2, tt_c=3, u_c=3, jc=1, cs=False,
                        cs_s=False),
     "wide": moe.V2Tiles(nw=4, nr=8, u=3, tt=3, tt_s=1, u_l=3, nw_c=3, nr_c=1, tt_c=1, u_c=1, jc=5, cs=True,
                         cs_s=True),
+    # kernel B's shared-down blocks first in its grid
+    "sdf": moe.V2Tiles(nw=2, nr=2, u=3, tt=2, tt_s=3, u_l=1, nw_c=1, nr_c=2, tt_c=3, u_c=3, jc=2, cs=False,
+                       cs_s=True, sd_first=True),
 }
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
@@ -354,6 +357,7 @@ V2_CASES = [
     (_V2_DECODE, BF16, 1, True, False, "default"),
     (_V2_DECODE, BF16, 1, True, False, "wide"),
     (_V2_GROUPED, np.float32, 2, False, False, "wide"),
+    (_V2_SKEW, np.float32, 11, True, True, "sdf"),
 ]
 
 

@@ -29,9 +29,8 @@ sums are reduced with warp shuffles (shared memory under the simulator). (nr, tt
 fp32 and (8, 4) for bf16 weights (``_TILE``, measured on an H200).
 
 The above is **version 1** (8 launches). **Version 2** (``VERSION`` / env ``KDT_MOE_VERSION``,
-``moe_forward(..., version=)``; by default for M <= ``V2_MAX_M`` = 1 only, where it measured 1.23-1.32x
-faster on the H200, while at M = 16 / 64 it is 0.8-0.9x / 0.45-0.62x of version 1) computes the same
-layer in three launches:
+``moe_forward(..., version=)``; by default for M <= ``V2_MAX_M`` = 8, where it measured 1.5-2.1x
+faster than version 1 on the H200, see ``V2_MAX_M``) computes the same layer in three launches:
 
 A. router logits + the shared experts' gate_up + (in the logits block that takes the last atomic
    ticket) the routing and the grouping of the M*k pairs, so the router's serial work hides behind
@@ -43,7 +42,7 @@ C. the routed down: block = row tile of D x a chunk of active experts; the last 
 Activations that version 2 reads as GEMM inputs are stored word-permuted (one 128-byte wavefront per
 lane group instead of 4 strided loads per weight word), weights are loaded with the streaming cache
 hint, and the tiles (``V2Tiles``, chosen by :func:`v2_tiles` from M alone, so CUDA graphs capture it)
-are specialised for 1, <= 4, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1.
+are specialised for 1, <= 8, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1.
 """
 
 from __future__ import annotations
@@ -682,9 +681,12 @@ _V2_RWARPS = 4  # warps of the routing block that route tokens (one token each a
 _V2_P_TAIL = 2048  # pairs M*k the routing block can group (shared-memory stage); more -> version 1
 V2_MAX_PAIRS = _V2_P_TAIL
 # The default dispatch runs version 2 up to this many tokens. Measured on the H200 (scripts/bench_moe.py,
-# bf16, docs/perf/moe-v1-v2-2026-11-29-bf16.json): v2 / v1 speed-up 1.32x (Moonlight) and 1.23x (Kimi)
-# at M = 1, but 0.90x / 0.80x at M = 16 and 0.62x / 0.45x at M = 64, so v2 serves the decode step only.
-V2_MAX_M = int(os.environ.get("KDT_MOE_V2_MAX_M", "1"))
+# bf16): session 3 (docs/perf/moe-v1-v2-2026-11-29-bf16.json) v2 / v1 1.32x (Moonlight) and 1.23x (Kimi)
+# at M = 1, but 0.90x / 0.80x at M = 16 and 0.62x / 0.45x at M = 64; session 6, with _v2_mm's loads
+# issued before their uses and kernel B's shared-down blocks first (docs/perf/moe-2026-11-30-bf16.json):
+# M = 1 Moonlight 56.8 us (2.13x v1, was 90.7), Kimi 215 us (1.82x, 88% of copy); M = 8 with 2-token
+# tiles 216 / 1141 us (1.53x / 1.52x v1). M = 16 / 64 not re-measured: version 1 there.
+V2_MAX_M = int(os.environ.get("KDT_MOE_V2_MAX_M", "8"))
 # (Tried in session 4: version 2 at every M for small, launch-bound layers (the tiny fixture's 1.5 MB
 # of experts). Same-run A/B on the H200: tiny verify n = 1/4/16/64 0.293/0.347/0.465/0.808 ms with
 # version 1 at M > 1, 0.303/0.336/0.477/0.850 with version 2; DDTree chain 16750 vs 17082 tok/s: no
@@ -724,36 +726,60 @@ else:
 
 def _v2_mm(epw: int, nr: int, tt: int, u: int, perm: bool, ks: int, cs: bool):
     """Device function ``mm(W, e, wr, X, xrow, nt, kq, lane, acc, wbuf, wv)``: per-lane partial sums
-    acc[r*tt + t] = sum over this lane's words w of W[e, wr[r], w] . X[xrow[t], elements of w], t < nt.
-    Lane words: kq*32 + lane + i*32*ks (ks warps split the row); u words per row are loaded before any
-    is used. ``perm``: X is word-permuted (see above), else natural [rows, K]. ``cs``: weight loads
-    with the streaming cache hint."""
+    acc[r*tt + t] = sum over this lane's words w of W[e, wr[r], w] . X[xrow[t], elements of w]
+    (t >= nt: garbage sums of valid rows, never read). Lane words: kq*32 + lane + i*32*ks (ks warps
+    split the row). Every step issues its u*nr weight loads first, then per word the epw*tt X values
+    it needs, then their FMAs: no load waits behind another's use, and the full steps carry no bound
+    checks (xrow holds valid rows for every t < tt; only the last, partial step checks w < Kw).
+    Indices are unsigned (Numba adds a negative-index wrap-around to every signed one). ``perm``: X is
+    word-permuted (see above), else natural [rows, K]. ``cs``: weight loads with the streaming hint.
+    (Tried in session 6: the next step's words loaded before this step's FMAs: 154-158 registers
+    instead of 72-87, and Moonlight M=1 108 us instead of 91.)"""
     unpack = _unpacker(epw)
     EPW, NR, TT, U, PERM, STRIDE, CS = epw, nr, tt, u, perm, WARP * ks, cs
+    NX = EPW * TT
+
+    @_device
+    def step(W, e, wr, X, xrow, base, Kw, acc, wbuf, wv, xv, checked):
+        for q in range(U):
+            w = base + uint64(q * STRIDE)
+            if not checked or w < Kw:
+                for r in range(NR):
+                    wbuf[q * NR + r] = _ldcs3(W, e, wr[r], w) if CS else W[e, wr[r], w]
+        for q in range(U):
+            w = base + uint64(q * STRIDE)
+            if not checked or w < Kw:
+                for jj in range(EPW):
+                    col = uint64(jj) * Kw + w if PERM else w * uint64(EPW) + uint64(jj)
+                    for t in range(TT):
+                        xv[jj * TT + t] = X[xrow[t], col]
+                for jj in range(EPW):
+                    for r in range(NR):
+                        wv[r] = unpack(wbuf[q * NR + r], jj)
+                    for t in range(TT):
+                        for r in range(NR):
+                            acc[r * TT + t] += wv[r] * xv[jj * TT + t]
 
     @_device
     def mm(W, e, wr, X, xrow, nt, kq, lane, acc, wbuf, wv):
-        Kw = W.shape[2]
+        Kw = uint64(W.shape[2])
+        ue = uint64(e)
+        xv = cuda.local.array(NX, float32)
+        ur = cuda.local.array(NR, uint64)
+        ux = cuda.local.array(TT, uint64)
+        for r in range(NR):
+            ur[r] = uint64(wr[r])
+        for t in range(TT):
+            ux[t] = uint64(xrow[t])
         for i in range(NR * TT):
             acc[i] = float32(0.0)
-        for base in range(kq * WARP + lane, Kw, U * STRIDE):
-            for q in range(U):
-                w = base + q * STRIDE
-                if w < Kw:
-                    for r in range(NR):
-                        wbuf[q * NR + r] = _ldcs3(W, e, wr[r], w) if CS else W[e, wr[r], w]
-            for q in range(U):
-                w = base + q * STRIDE
-                if w < Kw:
-                    for jj in range(EPW):
-                        for r in range(NR):
-                            wv[r] = unpack(wbuf[q * NR + r], jj)
-                        col = jj * Kw + w if PERM else w * EPW + jj
-                        for t in range(TT):
-                            if t < nt:
-                                xv = X[xrow[t], col]
-                                for r in range(NR):
-                                    acc[r * TT + t] += wv[r] * xv
+        base = uint64(kq * WARP + lane)
+        span = uint64(U * STRIDE)
+        while base + uint64((U - 1) * STRIDE) < Kw:  # every word of the step is in range
+            step(W, ue, ur, X, ux, base, Kw, acc, wbuf, wv, xv, False)
+            base += span
+        if base < Kw:  # the rest: fewer than u words
+            step(W, ue, ur, X, ux, base, Kw, acc, wbuf, wv, xv, True)
 
     return mm
 
@@ -789,13 +815,15 @@ def _v2_pick(nr: int, tt: int):
 
 
 @_device
-def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm, scale, sh_c, sh_g,
+def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm, scale, sh_c, sh_s, sh_g,
                     red_v, red_i, w, lane, topk_idx, topk_w, sh_idx):
-    """Route token m with warp w (the old router kernel's algorithm; logits read through L2). Writes
+    """Route token m with warp w (the old router kernel's algorithm; logits read once, through L2:
+    the sigmoids stay in shared memory sh_s[w], so the k rounds make no global round trips). Writes
     topk_idx[m], topk_w[m] and sh_idx[m*k + r] only when ``valid``."""
     one = float32(1.0)
     for e in range(lane, E, WARP):
         s = one / (one + math.exp(-_ldcg2(logits, m, e)))
+        sh_s[w, e] = s
         sh_c[w, e] = s + bias[e]
     _warp_sync()
     if n_group > 1:
@@ -816,19 +844,16 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
         bv, bi = _warp_argmax(bv, bi, red_v, red_i, w, lane)
         if lane == bi % WARP:
             taken |= int32(1) << (bi // WARP)
-        sv = one / (one + math.exp(-_ldcg2(logits, m, bi)))  # = the s above, bit for bit
-        wsum += sv
-        if lane == 0 and valid:
+        wsum += sh_s[w, bi]
+        if lane == r and valid:  # lane r keeps choice r (top_k <= K_MAX <= 32)
             topk_idx[m, r] = bi
-            topk_w[m, r] = sv
             sh_idx[m * top_k + r] = bi
-    if lane == 0 and valid:
-        sc = float32(scale)
-        for r in range(top_k):
-            v = topk_w[m, r]
-            if norm:
-                v = v / (wsum + _EPS_NORM)
-            topk_w[m, r] = v * sc
+    if lane < top_k and valid:
+        v = sh_s[w, sh_idx[m * top_k + lane]]
+        if norm:
+            v = v / (wsum + _EPS_NORM)
+        topk_w[m, lane] = v * float32(scale)
+    _warp_sync()  # sh_s[w] is read above: the warp's next token may overwrite it only after this
 
 
 _V2_CACHE: dict[tuple, object] = {}
@@ -916,6 +941,7 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                 return
             cuda.threadfence()
             sh_c = cuda.shared.array((RWP, E_MAX), float32)
+            sh_s = cuda.shared.array((RWP, E_MAX), float32)
             sh_g = cuda.shared.array((RWP, G_MAX), float32)
             red_v = cuda.shared.array(RRED, float32)
             red_i = cuda.shared.array(RRED, int32)
@@ -931,7 +957,7 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                 for m0 in range(0, M, RWP):
                     m = m0 + warp
                     _v2_route_token(logits, bias, min(m, M - 1), m < M, E, n_group, topk_group, top_k, norm,
-                                    scale, sh_c, sh_g, red_v, red_i, warp, lane, topk_idx, topk_w, sh_idx)
+                                    scale, sh_c, sh_s, sh_g, red_v, red_i, warp, lane, topk_idx, topk_w, sh_idx)
             cuda.syncthreads()
             # ---- group the P pairs by expert (counting sort, token order within an expert) ----------
             for i in range(tid, P, NT):
@@ -1029,18 +1055,20 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
     return k
 
 
-def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool):
-    """Kernel B. Grid: J * ntg routed blocks (slot j = bid // ntg of the active experts, output tile
-    x = bid % ntg: nw warps x nr/2 outputs), then the shared-down blocks (nw warps x nr rows of D, all M
-    tokens in tiles of tt_s). Routed blocks with j >= n_active exit at once (J = min(E, M k) is the
-    host-known worst case)."""
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s)
+def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
+                       sd_first: bool = False):
+    """Kernel B. Grid: J * ntg routed blocks (routed block rb: slot j = rb // ntg of the active experts,
+    output tile x = rb % ntg: nw warps x nr/2 outputs) and the shared-down blocks (nw warps x nr rows of
+    D, all M tokens in tiles of tt_s), those after the routed ones, or before them with ``sd_first``.
+    Routed blocks with j >= n_active exit at once (J = min(E, M k) is the host-known worst case)."""
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, EPW, NR, TT, TTS = nw, epw, nr, tt, tt_s
     NO = NR // 2
     TMAX = max(TT, TTS)
     WB, NACC, NACCS = u * NR, NR * TT, NR * TTS
+    SDF = sd_first
     RED_R = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
     RED_S = (NW, NR * TTS, WARP) if IS_SIM else (1, 1, 1)
     mm_r = _v2_mm(EPW, NR, TT, u, True, 1, cs)
@@ -1060,8 +1088,11 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
         wb = cuda.local.array(WB, uint64)
         wv = cuda.local.array(NR, float32)
         sel = cuda.local.array(NR, float32)
-        if bid < J * ntg:
-            j = bid // ntg
+        nsd = cuda.gridDim.x - J * ntg  # shared-down blocks: first (sd_first) or last in the grid
+        rb = bid - nsd if SDF else bid  # routed block index (< 0 or >= J * ntg: a shared-down block)
+        sb = bid if SDF else bid - J * ntg
+        if 0 <= rb < J * ntg:
+            j = rb // ntg
             if j >= n_active[0]:
                 return
             red = cuda.shared.array(RED_R, float32)
@@ -1071,7 +1102,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
             end = start + counts[e]
             I = wgu.shape[1] // 2
             Kwh = I // EPW
-            obase = ((bid % ntg) * NW + warp) * NO
+            obase = ((rb % ntg) * NW + warp) * NO
             for r in range(NO):
                 wr[r] = min(obase + r, I - 1)
                 wr[NO + r] = wr[r] + I
@@ -1093,7 +1124,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
             reds = cuda.shared.array(RED_S, float32)
             accs = cuda.local.array(NACCS, float32)
             D = sdn.shape[1]
-            obase = ((bid - J * ntg) * NW + warp) * NR
+            obase = (sb * NW + warp) * NR
             for r in range(NR):
                 wr[r] = min(obase + r, D - 1)
             for p0 in range(0, M, TTS):
@@ -1110,7 +1141,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
                             y_shared[p0 + lane, o] = sel[r]
 
     kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
-                     f"{'_css' if cs_s else ''}")
+                     f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1204,7 +1235,8 @@ class V2Tiles:
     / tt_c / u_c: kernel C (nw_c * nr_c rows of D per block), jc: active experts per block of kernel C;
     cs: routed weights loaded with the streaming (evict-first) cache hint; cs_s: the same for the
     shared experts and the router gate, which are re-read once per token tile when M > tt_s (so
-    v2_tiles sets it only when M <= tt_s)."""
+    v2_tiles sets it only when M <= tt_s); sd_first: kernel B's shared-down blocks come first in its
+    grid (they do not wait for the routing; last, they ran as a tail after the routed blocks)."""
 
     nw: int = 4
     nr: int = 4
@@ -1219,6 +1251,7 @@ class V2Tiles:
     jc: int = 1
     cs: bool = True
     cs_s: bool = True
+    sd_first: bool = False
 
 
 def v2_tiles(M: int, top_k: int) -> V2Tiles:
@@ -1226,27 +1259,54 @@ def v2_tiles(M: int, top_k: int) -> V2Tiles:
 
     M = 1: one token per expert; 4 rows x 4 words in flight per warp (16 x 8 B per lane; at ~16-20
     warps per SM ~64-80 KB in flight, what HBM3e needs at ~1 us latency); kernel C one expert per
-    block (Moonlight 128 row tiles x 6 experts = 768 blocks). M <= 16: ~1-2 tokens per expert, tiles
-    of 4. Larger M: ~6 tokens per expert at Moonlight M=64, a tile of 8 tokens reads each routed
-    weight row once per forward; 2 words in flight (the FMA work hides the latency) keep the tiles in
-    registers (4 x 8 x 4 x 2 FMAs per unrolled step; 4 words spilled the accumulators to local memory)."""
+    block (Moonlight 128 row tiles x 6 experts = 768 blocks). M <= 8: ~1-2 tokens per expert, tiles
+    of 2 (measured). M = 1 and M <= 8 put kernel B's shared-down blocks first (measured: -13 us at
+    Moonlight M = 1). M <= 16: tiles of 4. Larger M: ~6 tokens per expert at Moonlight M=64, a tile
+    of 8 tokens reads each routed weight row once per forward; 2 words in flight (the FMA work hides
+    the latency) keep the tiles in registers (4 x 8 x 4 x 2 FMAs per unrolled step; 4 words spilled
+    the accumulators to local memory)."""
     if IS_SIM:  # every simulated thread is a Python thread; small tiles exercise the tile loops
         return V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, cs_s=M <= 2)
     if M <= 1:
-        return V2Tiles(nw=4, nr=4, u=4, tt=1, tt_s=1, u_l=4, nw_c=4, nr_c=4, tt_c=1, u_c=4, jc=1)
-    if M <= 4:
-        return V2Tiles(nw=4, nr=4, u=4, tt=2, tt_s=4, u_l=4, nw_c=4, nr_c=4, tt_c=2, u_c=4, jc=1)
+        return V2Tiles(nw=4, nr=4, u=4, tt=1, tt_s=1, u_l=4, nw_c=4, nr_c=4, tt_c=1, u_c=4, jc=1, sd_first=True)
+    if M <= 8:  # measured at M = 8 (2-token tiles beat 4 there: 216 vs 251 us Moonlight, 1141 vs 1578 Kimi)
+        return V2Tiles(nw=4, nr=4, u=4, tt=2, tt_s=4, u_l=4, nw_c=4, nr_c=4, tt_c=2, u_c=4, jc=1 if M <= 4 else 2,
+                       cs_s=M <= 4, sd_first=True)
     if M <= 16:
         return V2Tiles(nw=4, nr=4, u=4, tt=4, tt_s=4, u_l=4, nw_c=4, nr_c=4, tt_c=4, u_c=4, jc=2, cs_s=False)
     return V2Tiles(nw=4, nr=4, u=2, tt=8, tt_s=8, u_l=2, nw_c=4, nr_c=4, tt_c=8, u_c=2, jc=4, cs_s=False)
 
 
-def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Tiles | None) -> None:
+@dataclass(frozen=True)
+class V2Launch:
+    """One of version 2's three launches: ``kernel[grid, threads, stream](*args)``. Its first
+    ``head`` blocks are its first role (kernel A: the router logits and the routing tail; B: the
+    routed experts' gate_up; C: all of it), so ``scripts/bench_moe.py --parts`` can time a role alone."""
+
+    name: str
+    kernel: object
+    grid: int
+    threads: int
+    head: int
+    args: tuple
+
+    def __call__(self, stream=0, grid: int | None = None) -> None:
+        self.kernel[self.grid if grid is None else grid, self.threads, stream](*self.args)
+
+
+def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
+    """Kernels A, B and C of launch shape t for weight words of epw elements."""
+    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s),
+            _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first),
+            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs))
+
+
+def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None) -> list[V2Launch]:
+    """Version 2's launches for M tokens, in order (see the "version 2" section)."""
     E, k, I, D = L.E, L.top_k, L.I, L.D
     t = tiles or v2_tiles(M, k)
-    epw = L._epw
-    P = M * k
-    J = min(E, P)
+    ka, kb, kc = _v2_kernels(t, L._epw)
+    J = min(E, M * k)
     has_shared = L._sgu is not None
     nlb = cdiv(E, _V2_NRL)
     if has_shared:
@@ -1257,21 +1317,25 @@ def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Til
     else:
         nsg = nsd = 0
         sgu, sdn, hs = L._gu, L._dn, S.b_perm  # never read (no blocks use them)
-    ka = _v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s)
-    ka[nlb + nsg, t.nw * WARP, stream](
+    a = V2Launch("A route+shared_gate_up", ka, nlb + nsg, t.nw * WARP, nlb, (
         b, L._gate, L.bias, S.logits, S.b_perm, sgu, hs, S.topk_idx, S.topk_w, S.counts, S.offsets,
         S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter, int(M), int(L.n_group),
-        int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb))
+        int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb)))
     ntg = cdiv(cdiv(I, t.nr // 2), t.nw)
-    kb = _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s)
-    kb[J * ntg + nsd, t.nw * WARP, stream](
+    bb = V2Launch("B gate_up+shared_down", kb, J * ntg + nsd, t.nw * WARP, J * ntg, (
         S.b_perm, L._gu, S.h, S.active, S.n_active, S.offsets, S.counts, S.sorted_rows, hs, sdn, S.y_shared,
-        int(M), int(ntg), int(J))
+        int(M), int(ntg), int(J)))
     n_chunks = cdiv(J, t.jc)
-    kc = _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs)
-    kc[cdiv(D, t.nw_c * t.nr_c) * n_chunks, t.nw_c * WARP, stream](
+    nc = cdiv(D, t.nw_c * t.nr_c) * n_chunks
+    c = V2Launch("C down+combine", kc, nc, t.nw_c * WARP, nc, (
         S.h, L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
-        S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared))
+        S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared)))
+    return [a, bb, c]
+
+
+def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Tiles | None) -> None:
+    for launch in v2_launches(b, L, S, out, M, accumulate, tiles):
+        launch(stream)
 
 
 # ---- host-side packing, weights and scratch -------------------------------------------------------
@@ -1487,11 +1551,9 @@ def _register() -> None:
     sig_c = (f2, u3, f2, i1, i1, i1, i1, i2, f2, f2, f2, i1, int64, int64, int64, boolean, boolean)
     seen: set[int] = set()
     for epw in (2, 4):
-        for M in (1, 4, 16, 64):
+        for M in (1, 4, 8, 16, 64):
             t = v2_tiles(M, 8)
-            for kern, sig in ((_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s), sig_a),
-                              (_v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s), sig_b),
-                              (_v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs), sig_c)):
+            for kern, sig in zip(_v2_kernels(t, epw), (sig_a, sig_b, sig_c), strict=True):
                 if id(kern) not in seen:  # the factories cache: one object per launch shape
                     seen.add(id(kern))
                     register_ptx(kern, sig)
