@@ -4,6 +4,7 @@
   the reference adding its context rows incrementally in chunks, torch in one batched row set.
 - The greedy-exact invariant with the learned drafter (random weights) on the CPU backend.
 - /drafter storage round-trips through the fixture format; bad drafter data is refused in one line.
+- The training data's target features are the hooked layers' outputs, kept on the host as bf16 bits.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.config import preset
 from kdt.drafters import LearnedDrafter
 from kdt.fixture import Drafter, read_fixture, write_fixture
@@ -58,6 +60,27 @@ def test_torch_drafter_equals_reference(rng):
     loss.backward()
     assert np.isfinite(float(loss.detach())) and count == 2 and hits.shape == (B - 1,)
     assert all(torch.isfinite(p.grad).all() for p in tm.params.values())
+    # features kept as bf16 bits on the host (hidden_features) give the loss of their float32 values
+    bits = f32_to_bf16_bits(feats.astype(np.float32))
+    loss16, _, _ = batch_loss(tm, tokens[None], bits[None], anchors[None], gamma=3.0)
+    loss32, _, _ = batch_loss(tm, tokens[None], bf16_bits_to_f32(bits)[None], anchors[None], gamma=3.0)
+    assert float(loss16.detach()) == float(loss32.detach())
+
+
+def test_hidden_features_are_bf16_of_the_layer_outputs(rng):
+    """hidden_features: the decoder layers' outputs (forward hooks) concatenated, as bf16 bits."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kdt.train_drafter import hidden_features, target_model
+
+    w = random_weights(CFG, int(rng.integers(1 << 30)))
+    model = target_model(CFG, w)
+    tokens = rng.integers(0, CFG.vocab_size, (5, 9))
+    got = hidden_features(model, tokens, (0, 0), batch=2)  # 3 batches, the last partial
+    assert got.dtype == np.uint16 and got.shape == (5, 9, 2 * CFG.hidden_size)
+    with torch.no_grad():  # hidden_states[1]: layer 0's output (the last entry would be after the final norm)
+        h0 = model(torch.tensor(tokens), output_hidden_states=True).hidden_states[1].float().numpy()
+    np.testing.assert_array_equal(got, f32_to_bf16_bits(np.concatenate([h0, h0], axis=-1)))
 
 
 def test_learned_drafter_keeps_the_invariant(rng):
