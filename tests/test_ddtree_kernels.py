@@ -45,8 +45,9 @@ def random_drafts(rng, R: int, D: int, K: int, ties: bool):
     return root, tokens, logp.astype(np.float32), L
 
 
-def padded_reference(tree: Tree, L: int, nmax: int) -> dict[str, np.ndarray]:
-    """The kernel's per-request outputs for a reference tree: slots >= n hold -1, visibility 0."""
+def padded_reference(tree: Tree, L: int, nmax: int, budget: int) -> dict[str, np.ndarray]:
+    """The kernel's per-request outputs for a reference tree: slots >= n hold -1; visibility is 0 outside
+    the tree's [n, n] block up to budget + 1 and untouched beyond (the poison of poisoned_tree_buffers)."""
     n = tree.n
 
     def pad(a, dtype):
@@ -54,7 +55,8 @@ def padded_reference(tree: Tree, L: int, nmax: int) -> dict[str, np.ndarray]:
         out[:n] = a
         return out
 
-    vis = np.zeros((nmax, nmax), np.uint8)
+    vis = poison((nmax, nmax), np.uint8)
+    vis[: budget + 1, : budget + 1] = 0
     vis[:n, :n] = tree.visibility
     return dict(
         tokens=pad(tree.tokens, np.int64),
@@ -104,7 +106,7 @@ def check_build_and_accept(rng, R, D, K, budget, ties, nmax=None, threads=32):
     got = build_tree_gpu(root, tokens, logp, budget, L, out=out, threads=threads)  # numpy in -> numpy out
     trees = [build_tree(root[r], tokens[r], logp[r], budget) for r in range(R)]
     for r, tree in enumerate(trees):
-        ref = padded_reference(tree, L[r], nmax)
+        ref = padded_reference(tree, L[r], nmax, budget)
         for name, want in ref.items():
             have = getattr(got, name)[r]
             assert have.dtype == np.asarray(want).dtype, name
@@ -153,7 +155,8 @@ def test_tree_build_ties_hand_computed():
 
 @pytest.mark.kernels
 def test_tree_build_spare_capacity(rng):
-    """NMAX larger than budget + 1 (and a budget larger than the possible tree): extra slots are -1/0."""
+    """NMAX larger than budget + 1 (and a budget larger than the possible tree): extra slots are -1,
+    visibility 0 up to budget + 1 and untouched beyond."""
     check_build_and_accept(rng, R=1, D=2, K=2, budget=5, ties=True, nmax=9)
 
 

@@ -14,7 +14,12 @@ tie-break: higher score first, then the smaller push id; the sibling is pushed b
   order (race-free, see :func:`_move_column`).
 
 Output conventions: the node capacity ``NMAX`` is the outputs' second dimension (``budget + 1``
-suffices); slots ``>= n_nodes`` hold -1 (tokens, depth, parent, links, positions) and visibility 0.
+suffices); slots ``>= n_nodes`` hold -1 (tokens, depth, parent, links, positions); visibility is
+written on ``[0, budget + 1)^2`` only (0 outside the tree's ``[n, n]`` block) and left as it was beyond,
+which nothing reads (``stage_tree`` takes the ``[n, n]`` block). Zeroing the whole ``[NMAX, NMAX]``
+matrix (NMAX = 257: 66 KB of byte stores) made every step's tree_build ~35-40 us even at budget 0
+(``scripts/profile_kernels.py``, H200, 2026-11-30: 40 us per tiny autoregressive step, 44 us per
+Moonlight chain step).
 ``accepted`` is padded with -1 and ``n_accepted = 1 + a`` counts the root.
 
 Measured on the H200 (ncu, one request, D=15, K=32): tree_build 95 / 444 / 962 us at budget
@@ -122,7 +127,8 @@ def tree_build(
     """Best-first DDTree per request; grid = R blocks, any block size (128 is a good default).
 
     1. all threads stage the reachable log-probs ``[min(D, nb), min(K, nb)]`` in shared memory;
-    2. thread 0 runs the search touching shared memory only, while other warps zero ``visibility``;
+    2. thread 0 runs the search touching shared memory only, while other warps zero ``visibility``
+       on ``[0, nb + 1)^2`` (every node index of this budget is below nb + 1);
     3. every thread writes whole nodes: outputs from shared memory, visibility row by ancestor walk.
     """
     # candidates, indexed by push id: parent node, depth, rank, previously popped sibling (-1: none)
@@ -215,14 +221,15 @@ def tree_build(
         n_sh[0] = count + 1
         n_nodes[r] = count + 1
 
-    # Zero visibility while thread 0 builds, coalesced (consecutive threads, consecutive columns).
-    # Warp 0 takes no part when there are other warps: its idle lanes would share its issue slots with
-    # thread 0 (measured: 20% longer at budget 512).
+    # Zero visibility[:nb + 1, :nb + 1] while thread 0 builds, coalesced (consecutive threads,
+    # consecutive columns). Warp 0 takes no part when there are other warps: its idle lanes would share
+    # its issue slots with thread 0 (measured: 20% longer at budget 512).
     z0 = WARP if nt > WARP else 0
+    nb1 = nb + 1
     if tid >= z0:
-        for i in range(nmax):
+        for i in range(nb1):
             j = tid - z0
-            while j < nmax:
+            while j < nb1:
                 visibility[r, i, j] = 0
                 j += nt - z0
     cuda.syncthreads()
