@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|all-tests
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|all-tests
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -177,6 +177,15 @@ session6)  # the engine after session 6's MoE change: both benches first (GPU al
   step verify_cuda_fp32 40 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
   step verify_code_cuda 40 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
   step pytest_gpu_engine 120 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -p no:cacheprovider --durations=5 ;;
+tree)  # session 6's last change, unmeasured there (tree_build writes visibility on [0, budget + 1)^2 only): its gpu
+  # tests and the engine's, verify, the tiny bench (GPU alone), the per-kernel profile with the bracket calibrated
+  step pytest_gpu_tree 150 python3 -m pytest -q -m gpu tests/test_ddtree_kernels.py tests/test_engine_cuda.py \
+    -p no:cacheprovider --durations=5
+  step verify_cuda_fp32 60 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step bench_tiny 150 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny.json"
+  step profile_kernels 150 python3 scripts/profile_kernels.py --cases tiny,code --json "$OUT/profile-kernels-$day.json" ;;
 all-tests)  # every gpu-marked test, three pytest processes side by side (correctness only, nothing timed),
   # then kdt verify on CUDA
   export KDT_ERR_LOG="$OUT/errors.tsv"
@@ -193,7 +202,7 @@ all-tests)  # every gpu-marked test, three pytest processes side by side (correc
   for n in pytest_mla pytest_ddtree pytest_rest; do summary+=("$n: $(tail -n 2 "$OUT/$n.log" | tr '\n' ' ')"); done
   step verify_cuda_fp32 60 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
   step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|all-tests"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|all-tests"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -9,6 +9,9 @@ For each case (model, drafter, budget) it runs greedy ``generate`` twice:
      kernel, not Python).
 It prints, per case, the kernels per step, their summed GPU time, the graph's wall time per step
 and the difference (what launch gaps and the host cost), and the kernels that take the most time.
+Each bracket also times the GPU's own start of a launch (~4-5 us on the H200: the first run's sums
+exceeded the graph's wall time); an empty kernel's bracketed time is measured first and subtracted
+from every kernel's.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ from kdt.reference.decode import generate  # noqa: E402
 SPIN_US = 300  # longer than the host time of one launch: e0, the kernel and e1 run back to back
 
 
+@cuda.jit
+def _noop():
+    """Nothing: its bracketed time is the bracket's own cost (subtracted from every kernel's)."""
+    pass
+
+
 class KernelTimer:
     """Brackets every eager kernel launch with CUDA events (installed while ``on``), each behind a
     spin kernel: without it the events would time the launch's host cost (~50-100 us), not the
@@ -43,6 +52,7 @@ class KernelTimer:
     def __init__(self):
         self.events: list[tuple[str, object, object]] = []
         self.on = False
+        self.overhead_us = 0.0
         timer = self
         if not hasattr(nd, "_LaunchConfiguration"):  # the simulator: nothing to time (a dry run)
             return
@@ -61,11 +71,22 @@ class KernelTimer:
 
         nd._LaunchConfiguration.__call__ = call
 
+    def calibrate(self, n: int = 50) -> float:
+        """The median bracketed time of an empty kernel (us), subtracted by ``table`` from then on."""
+        _noop[1, 1]()  # compiled outside the measurement
+        self.on = True
+        for _ in range(n):
+            _noop[1, 1]()
+        self.on = False
+        times = self.table().get("_noop", [0.0])
+        self.overhead_us = float(np.median(times))
+        return self.overhead_us
+
     def table(self) -> dict[str, list[float]]:
         cuda.synchronize()
         out: dict[str, list[float]] = defaultdict(list)
         for name, e0, e1 in self.events:
-            out[name].append(cuda.event_elapsed_time(e0, e1) * 1e3)
+            out[name].append(max(0.0, cuda.event_elapsed_time(e0, e1) * 1e3 - self.overhead_us))
         self.events.clear()
         return out
 
@@ -132,6 +153,7 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     timer = KernelTimer()
+    print(f"bracket overhead (an empty kernel): {timer.calibrate():.2f} us, subtracted from every kernel")
     out = []
     cases = a.cases.split(",")
     if "tiny" in cases:
