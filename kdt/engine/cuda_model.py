@@ -450,7 +450,9 @@ class CudaDraftModel(DecoderStack):
         mask = np.asarray(weights["mask_embedding"], np.float32)
         self.mask_rows = cuda.to_device(np.ascontiguousarray(np.broadcast_to(mask, (B - 1, D))))
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
-        self.feat_in = cuda.device_array((self.M_max, len(dcfg.target_layers) * D), np.float32)
+        # zeros, not uninitialised memory: the first device step runs B pending context rows with none
+        # valid yet (n_ctx = 0; masked), and garbage there overflowed rmsnorm (simulator warning)
+        self.feat_in = cuda.to_device(np.zeros((self.M_max, len(dcfg.target_layers) * D), np.float32))
         # the block attends to the whole block (non-causal); B padded context rows attend causally
         self.vis_block = cuda.to_device(np.ones((B, B), np.uint8))
         self.vis_causal = cuda.to_device(np.tril(np.ones((B, B), np.uint8)))
