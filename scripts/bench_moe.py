@@ -9,10 +9,10 @@ experts the M random tokens select + the shared experts + the fp32 router gate; 
 over version 1, and the relative difference of each output to version 1's (a wrong kernel shows up
 here as ~1e-1 or nan; the tests' bound against float64 is 1e-5). ``--sweep`` adds version-2 launch
 shapes beside the default (``kdt.kernels.moe.V2Tiles``) so one run picks the best. ``--parts`` times
-version 2's launches as growing prefixes of the forward, each launch's first role (``moe.V2Launch.head``:
-A's router logits + routing tail without the shared gate_up, B's routed gate_up without the shared
-down) before the whole launch: the increments say where the forward's time goes. Every new launch shape compiles its
-kernels first (5-30 s each), outside the timed region.
+version 2's launches as growing prefixes of the forward, each launch's first role
+(``moe.V2Launch.head``: A's router logits + routing tail without the shared gate_up, B's routed
+gate_up without the shared down) before the whole launch: the increments say where the forward's
+time goes. Every new launch shape compiles its kernels first (5-30 s each), outside the timed region.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--M", default="1,16,64")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "float32"))
     ap.add_argument("--sweep", action="store_true", help="also time version-2 launch-shape variants")
-    ap.add_argument("--parts", action="store_true", help="also time version 2's launches one by one")
+    ap.add_argument("--parts", action="store_true", help="also time version 2's launches as prefixes of the forward")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
