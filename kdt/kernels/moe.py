@@ -725,9 +725,10 @@ else:
 
 
 def _v2_mm(epw: int, nr: int, tt: int, u: int, perm: bool, ks: int, cs: bool):
-    """Device function ``mm(W, e, wr, X, xrow, nt, kq, lane, acc, wbuf, wv)``: per-lane partial sums
-    acc[r*tt + t] = sum over this lane's words w of W[e, wr[r], w] . X[xrow[t], elements of w]
-    (t >= nt: garbage sums of valid rows, never read). Lane words: kq*32 + lane + i*32*ks (ks warps
+    """Device function ``mm(W, e, wr, X, xrow, kq, lane, acc, wbuf, wv)``: per-lane partial sums
+    acc[r*tt + t] = sum over this lane's words w of W[e, wr[r], w] . X[xrow[t], elements of w] for
+    every t < tt (the callers reduce and write only the tile's first nt tokens; xrow[t >= nt] is a valid
+    row, so the other sums are finite and never read). Lane words: kq*32 + lane + i*32*ks (ks warps
     split the row). Every step issues its u*nr weight loads first, then per word the epw*tt X values
     it needs, then their FMAs: no load waits behind another's use, and the full steps carry no bound
     checks (xrow holds valid rows for every t < tt; only the last, partial step checks w < Kw).
@@ -761,7 +762,7 @@ def _v2_mm(epw: int, nr: int, tt: int, u: int, perm: bool, ks: int, cs: bool):
                             acc[r * TT + t] += wv[r] * xv[jj * TT + t]
 
     @_device
-    def mm(W, e, wr, X, xrow, nt, kq, lane, acc, wbuf, wv):
+    def mm(W, e, wr, X, xrow, kq, lane, acc, wbuf, wv):
         Kw = uint64(W.shape[2])
         ue = uint64(e)
         xv = cuda.local.array(NX, float32)
@@ -909,7 +910,7 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                 nt = min(TTL, M - p0)
                 for t in range(TTL):
                     xrow[t] = p0 + t if t < nt else 0
-                mm_l(gate, 0, wrl, b, xrow, nt, warp, lane, accl, wbl, wvl)
+                mm_l(gate, 0, wrl, b, xrow, warp, lane, accl, wbl, wvl)
                 red_l(accl, nt, redl, warp, lane)
                 if lane == 0:
                     for i in range(NACCL):
@@ -1038,7 +1039,7 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                 nt = min(TTS, M - p0)
                 for t in range(TTS):
                     xrow[t] = p0 + t if t < nt else 0
-                mm_s(sgu, 0, wrs, b, xrow, nt, 0, lane, accs, wbs, wvs)
+                mm_s(sgu, 0, wrs, b, xrow, 0, lane, accs, wbs, wvs)
                 red_s(accs, nt, reds, warp, lane)
                 if lane < nt:
                     pick_s(accs, sel, lane)
@@ -1110,7 +1111,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
                 nt = min(TT, end - p0)
                 for t in range(TT):
                     xrow[t] = sorted_rows[p0 + t] if t < nt else 0
-                mm_r(wgu, e, wr, b_perm, xrow, nt, 0, lane, acc, wb, wv)
+                mm_r(wgu, e, wr, b_perm, xrow, 0, lane, acc, wb, wv)
                 red_r(acc, nt, red, warp, lane)
                 if lane < nt:
                     pick_r(acc, sel, lane)
@@ -1131,7 +1132,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
                 nt = min(TTS, M - p0)
                 for t in range(TTS):
                     xrow[t] = p0 + t if t < nt else 0
-                mm_s(sdn, 0, wr, h_shared, xrow, nt, 0, lane, accs, wb, wv)
+                mm_s(sdn, 0, wr, h_shared, xrow, 0, lane, accs, wb, wv)
                 red_s(accs, nt, reds, warp, lane)
                 if lane < nt:
                     pick_s(accs, sel, lane)
@@ -1190,7 +1191,7 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
                 nt = min(TT, end - p0)
                 for t in range(TT):
                     xrow[t] = p0 + t if t < nt else 0
-                mm(wdn, e, wr, h, xrow, nt, 0, lane, acc, wb, wv)
+                mm(wdn, e, wr, h, xrow, 0, lane, acc, wb, wv)
                 red_f(acc, nt, red, warp, lane)
                 if lane < nt:
                     pick(acc, sel, lane)
