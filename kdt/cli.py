@@ -250,7 +250,8 @@ def train_drafter(
     pattern: str = typer.Option("*.py", help="File pattern under --corpus."),
     eval_prompts: int = typer.Option(8, help="Held-out prompts for the final acceptance table (0: skip)."),
     seed: int = typer.Option(0, help="Seed of data sampling and initialisation."),
-    batch: int = typer.Option(8, help="Sequences per optimizer step (each with 8 blocks)."),
+    batch: int = typer.Option(8, help="Sequences per optimizer step (each with --anchors blocks)."),
+    anchors: int = typer.Option(8, help="Blocks per training sequence, rooted at distinct generated positions."),
     device: str = typer.Option("auto", help="torch device of the data generation and training: auto | cpu | "
                                "cuda (auto: cuda when torch sees a GPU)."),
     eval_only: bool = typer.Option(False, "--eval-only", help="Skip training: the acceptance table of MODEL's "
@@ -314,10 +315,12 @@ def train_drafter(
     if min(sequences, eval_sequences, layers, intermediate, batch) < 1 or block_size < 2 or gen_len < block_size + 8:
         fail("--sequences, --eval-sequences, --layers, --intermediate, --batch must be >= 1, --block-size >= 2 and "
              "--gen-len >= block size + 8")
+    if not 1 <= anchors <= gen_len - block_size + 1:
+        fail(f"--anchors must be in [1, gen-len - block size + 1 = {gen_len - block_size + 1}] (got {anchors})")
     dev = torch_device(device)
     args = TrainArgs(block_size=block_size, layers=layers, intermediate_size=intermediate, target_layers=tl,
                      sequences=sequences, eval_sequences=eval_sequences, gen_len=gen_len, minutes=minutes,
-                     steps=steps, seed=seed, batch=batch, device=dev)
+                     steps=steps, seed=seed, batch=batch, anchors=anchors, device=dev)
     train_stream, eval_stream = corpus_streams(load_tokenizer(fx.tokenizer), corpus and str(corpus), pattern)
     need = args.prompt_len + args.gen_len
     if min(len(train_stream), len(eval_stream)) <= need:

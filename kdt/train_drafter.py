@@ -7,15 +7,17 @@ Needs torch (the ``train`` extra; transformers too, for the target's greedy cont
    ``DeepseekV3ForCausalLM`` holding the file's weights, float32), so the drafter learns what the
    target will accept. One more target forward records the hidden states of the drafter's
    ``target_layers`` (forward hooks on those decoder layers: the residual stream after the layer,
-   what kdt's engine hands the drafter during verify), kept on the host as bf16 (half of float32:
-   50k sequences x 256 positions x 768 features are 20 GB).
+   what kdt's engine hands the drafter during verify), kept on the training device as torch bf16
+   (half of float32) in one preallocated tensor filled batch by batch: 49152 sequences x 256
+   positions x 768 features are 19 GB, which an H200 holds; on CPU the host memory is the device.
 2. **Training**: :class:`TorchDrafter`, the same equations as the NumPy reference in torch. A training
    row set per sequence is every context row (causal) plus ``anchors`` blocks ``[root, mask ...]``
    rooted at random positions of the generated part; block j sees the context before its root and its
-   own rows. Loss: cross-entropy of depths 1..B-1 against the target's greedy tokens, weighted
-   ``exp(-(d-1)/gamma)`` (the early depths matter most to a tree). AdamW, warmup then cosine decay
-   over the ``--minutes`` budget (so the schedule follows elapsed time; ``--steps N --minutes 0``
-   makes a run repeatable for a seed).
+   own rows. A step samples its sequences and roots on the device and builds the whole batch's
+   positions and masks there (no host work that grows with the batch). Loss: cross-entropy of depths
+   1..B-1 against the target's greedy tokens, weighted ``exp(-(d-1)/gamma)`` (the early depths matter
+   most to a tree). AdamW, warmup then cosine decay over the ``--minutes`` budget (so the schedule
+   follows elapsed time; ``--steps N --minutes 0`` makes a run repeatable for a seed and device).
 3. **Storage**: the weights (float32) and config go under ``/drafter`` of the model file (atomic
    rewrite; the model's own weights are copied bit for bit), with the training summary in its meta.
 """
@@ -29,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.config import ModelConfig
 from kdt.reference import ops
 from kdt.reference.drafter import DrafterConfig, random_drafter_weights
@@ -50,6 +51,12 @@ def _torch():
     return torch
 
 
+def bf16_tensor(bits: np.ndarray):
+    """bf16 bit patterns (uint16 NumPy) -> a torch.bfloat16 tensor of the same values, sharing their memory."""
+    torch = _torch()
+    return torch.from_numpy(np.asarray(bits, np.uint16).view(np.int16)).view(torch.bfloat16)
+
+
 def torch_device(name: str = "auto") -> str:
     """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cpu`` / ``cuda`` as given."""
     from kdt.errors import KdtError
@@ -67,7 +74,7 @@ class TorchDrafter:
 
     ``params``: name -> trainable tensor (the names of :func:`drafter_weight_names`); the target's
     ``embed_tokens`` and ``lm_head`` are frozen tensors. Shapes: rows x [N, R, D], positions [N, R],
-    mask [N, R, R] (True = visible).
+    mask [N, R, R] (True = visible); positions and mask as tensors on the device (or NumPy arrays).
     """
 
     def __init__(self, dcfg: DrafterConfig, target: ModelConfig, embed_tokens: np.ndarray, lm_head: np.ndarray,
@@ -79,12 +86,17 @@ class TorchDrafter:
         self.params = {n: self.tensor(a).requires_grad_() for n, a in w.items()}
         self.embed_tokens = self.tensor(embed_tokens)
         self.lm_head = self.tensor(lm_head)
+        inv_freq, self.rope_factor = ops.rope_inv_freq(self.cfg)
+        self.inv_freq = self.tensor(inv_freq, torch.float64)  # [dr/2]
 
     def tensor(self, a, dtype=None):
-        """A NumPy array on this drafter's device (floating arrays in its dtype unless ``dtype``)."""
-        a = np.asarray(a)
-        dt = dtype or (self.dtype if a.dtype.kind == "f" else None)
-        return _torch().tensor(a, dtype=dt, device=self.device)
+        """A NumPy array (copied; uint16 = bf16 bit patterns) or a tensor (as is when it already fits) on this
+        drafter's device, floating values in its dtype unless ``dtype``."""
+        torch = _torch()
+        if not isinstance(a, torch.Tensor):
+            a = np.asarray(a)
+            a = bf16_tensor(a) if a.dtype == np.uint16 else torch.tensor(a)
+        return a.to(device=self.device, dtype=dtype or (self.dtype if a.is_floating_point() else None))
 
     def export(self) -> dict[str, np.ndarray]:
         return {n: p.detach().to(_torch().float32).cpu().numpy().copy() for n, p in self.params.items()}
@@ -104,10 +116,12 @@ class TorchDrafter:
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
 
-    def rope_tables(self, positions: np.ndarray):
-        cos, sin = ops.rope_cos_sin(self.cfg, np.asarray(positions).reshape(-1), np.float64)
-        shape = tuple(np.shape(positions)) + (cos.shape[-1],)
-        return self.tensor(cos.reshape(shape)), self.tensor(sin.reshape(shape))
+    def rope_tables(self, positions):
+        """positions [N, R] -> cos, sin [N, R, dr/2] on the device, as kdt.reference.ops.rope_cos_sin (float64)."""
+        torch = _torch()
+        freqs = self.tensor(positions, torch.float64)[..., None] * self.inv_freq
+        return ((torch.cos(freqs) * self.rope_factor).to(self.dtype),
+                (torch.sin(freqs) * self.rope_factor).to(self.dtype))
 
     def context(self, features):
         """features [N, T, n_feat*D] -> context rows [N, T, D]."""
@@ -145,7 +159,7 @@ class TorchDrafter:
         o = torch.einsum("nhmt,nthv->nmhv", torch.softmax(s, dim=-1), v).reshape(N, R, H * dv)
         return o @ P[p + "o_proj.weight"].T
 
-    def stack(self, x, positions: np.ndarray, mask):
+    def stack(self, x, positions, mask):
         """Rows x [N, R, D] through every layer -> [N, R, D] (before the final norm)."""
         torch = _torch()
         P = self.params
@@ -188,24 +202,43 @@ def row_layout(S: int, anchors: np.ndarray, B: int) -> RowLayout:
     return RowLayout(pos, mask, np.asarray(anchors, np.int64))
 
 
-def depth_weights(B: int, gamma: float) -> np.ndarray:
-    return np.exp(-np.arange(B - 1) / gamma)
-
-
-def batch_loss(model: TorchDrafter, tokens: np.ndarray, feats: np.ndarray, anchors: np.ndarray, gamma: float):
-    """tokens [N, S] int64, feats [N, S, n_feat*D] (float, or bf16 bits as uint16), anchors [N, J] ->
-    (weighted loss, per-depth top-1 hits [B-1], count)."""
+def batch_layout(S: int, anchors, B: int):
+    """anchors [N, J] (long tensor) -> (positions [N, R], mask [N, R, R]): :func:`row_layout` of each row of
+    anchors, built at once on their device."""
     torch = _torch()
-    N, S = tokens.shape
-    B = model.dcfg.block_size
-    lay = [row_layout(S, a, B) for a in anchors]
-    pos = np.stack([x.positions for x in lay])
-    mask = model.tensor(np.stack([x.mask for x in lay]))
-    tok = model.tensor(tokens)
-    roots = model.tensor(anchors)
-    ctx = model.context(model.tensor(bf16_bits_to_f32(feats) if feats.dtype == np.uint16 else feats))
+    r = torch.arange(S + anchors.shape[1] * B, device=anchors.device)
+    blk = (r - S).div(B, rounding_mode="floor")  # each row's block (negative: a context row)
+    ctx = r < S
+    root = anchors[:, blk.clamp(min=0)]  # [N, R]: the root position of each row's block
+    pos = torch.where(ctx, r, root + (r - S) % B)
+    mask = torch.where(ctx[:, None], r <= r[:, None], (r < root[..., None]) | (blk == blk[:, None]))
+    return pos, mask
+
+
+def sample_anchors(n: int, J: int, lo: int, hi: int, gen):
+    """[n, J] roots, each row J distinct positions of [lo, hi] in ascending order (the J largest of uniform
+    keys), drawn on ``gen``'s device."""
+    keys = _torch().rand(n, hi - lo + 1, generator=gen, device=gen.device)
+    return keys.topk(J, dim=1).indices.sort(dim=1).values + lo
+
+
+def depth_weights(B: int, gamma: float, device="cpu"):
+    """[B-1] float64 tensor: the loss weight exp(-(d-1)/gamma) of depths d = 1..B-1."""
+    torch = _torch()
+    return torch.exp(-torch.arange(B - 1, dtype=torch.float64, device=device) / gamma)
+
+
+def batch_loss(model: TorchDrafter, tokens, feats, anchors, gamma: float):
+    """tokens [N, S] int, feats [N, S, n_feat*D] (float, torch bf16, or bf16 bits as uint16 NumPy), anchors
+    [N, J]: NumPy arrays or tensors (device tensors: nothing crosses from the host) -> (weighted loss,
+    per-depth top-1 hits [B-1] as a detached tensor, count)."""
+    torch = _torch()
+    tok, roots = model.tensor(tokens, torch.long), model.tensor(anchors, torch.long)
+    N, S = tok.shape
+    J, B = roots.shape[1], model.dcfg.block_size
+    pos, mask = batch_layout(S, roots, B)
+    ctx = model.context(model.tensor(feats))
     blocks = model.block_inputs(tok.gather(1, roots))  # [N, J, B, D]
-    J = anchors.shape[1]
     x = torch.cat([ctx, blocks.reshape(N, J * B, -1)], dim=1)
     h = model.stack(x, pos, mask)[:, S:].reshape(N, J, B, -1)[:, :, 1:]  # depths 1..B-1
     logits = model.logits(h)  # [N, J, B-1, V]
@@ -213,10 +246,10 @@ def batch_loss(model: TorchDrafter, tokens: np.ndarray, feats: np.ndarray, ancho
     target = tok.gather(1, tgt_idx.reshape(N, -1)).reshape(N, J, B - 1)
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                            reduction="none").reshape(N, J, B - 1)
-    w = model.tensor(depth_weights(B, gamma), dtype=ce.dtype)
+    w = depth_weights(B, gamma, ce.device).to(ce.dtype)
     loss = (ce * w).sum(-1).mean() / w.sum()
     hits = (logits.argmax(-1) == target).float().sum(dim=(0, 1))
-    return loss, hits.detach().cpu().numpy(), N * J
+    return loss, hits.detach(), N * J
 
 
 # ---- data from the target ------------------------------------------------------------------------------
@@ -244,9 +277,10 @@ def greedy_sequences(model, prompts: np.ndarray, gen_len: int, batch: int = 64,
     return np.concatenate(out).astype(np.int64)
 
 
-def hidden_features(model, tokens: np.ndarray, layers: tuple[int, ...], batch: int = 32) -> np.ndarray:
-    """tokens [n, S] -> the hidden states after ``layers`` concatenated, [n, S, len(layers) * D] as bf16
-    bit patterns (uint16), written into one preallocated array (no second copy at the end)."""
+def hidden_features(model, tokens, layers: tuple[int, ...], batch: int = 32, device: str | None = None):
+    """tokens [n, S] -> the hidden states after ``layers`` concatenated, [n, S, len(layers) * D] in bf16,
+    written batch by batch into one preallocated array (no second copy): a torch.bfloat16 tensor on
+    ``device``, or (``device`` None) NumPy bf16 bit patterns (uint16)."""
     torch = _torch()
     got: dict[int, object] = {}
 
@@ -257,19 +291,24 @@ def hidden_features(model, tokens: np.ndarray, layers: tuple[int, ...], batch: i
         return fn
 
     handles = [model.model.layers[i].register_forward_hook(hook(i)) for i in layers]
-    feats = None
+    feats = bits = None
     try:
         with torch.no_grad():
             for s in range(0, len(tokens), batch):
-                model(torch.tensor(tokens[s:s + batch], device=model.device))
-                f = torch.cat([got[i] for i in layers], dim=-1).float().cpu().numpy()
+                model.model(torch.as_tensor(tokens[s:s + batch], device=model.device))  # no lm_head
+                f = torch.cat([got[i] for i in layers], dim=-1).to(torch.bfloat16)  # round to nearest even
                 if feats is None:
-                    feats = np.empty((len(tokens), *f.shape[1:]), np.uint16)
-                feats[s:s + len(f)] = f32_to_bf16_bits(f)
+                    shape = (len(tokens), *f.shape[1:])
+                    if device is None:
+                        bits = np.empty(shape, np.uint16)
+                        feats = bf16_tensor(bits)  # a view: filling it fills bits
+                    else:
+                        feats = torch.empty(shape, dtype=torch.bfloat16, device=device)
+                feats[s:s + len(f)] = f
     finally:
         for h in handles:
             h.remove()
-    return feats
+    return feats if device is not None else bits
 
 
 def random_windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -290,6 +329,8 @@ class TrainArgs:
     gen_len: int = 192
     anchors: int = 8
     batch: int = 8
+    gen_batch: int | None = None  # prompts per greedy generate() call (None: 4096 on cuda, 64 on cpu)
+    feature_batch: int | None = None  # sequences per feature forward (None: 512 on cuda, 32 on cpu)
     lr: float = 2e-3
     warmup: int = 20
     minutes: float = 10.0
@@ -310,16 +351,20 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
                          intermediate_size=a.intermediate_size)
     dcfg.validate(cfg)
     t0 = time.perf_counter()
-    target = target_model(cfg, weights, a.device)
-    gen_batch = 1024 if a.device == "cuda" else 64  # prompts per greedy generate() call
+    dev, cuda = a.device, a.device == "cuda"
+    target = target_model(cfg, weights, dev)
+    gen_batch = a.gen_batch or (4096 if cuda else 64)
+    feature_batch = a.feature_batch or (512 if cuda else 32)
     log(f"data: {a.sequences} + {a.eval_sequences} prompts of {a.prompt_len} tokens, {a.gen_len} greedy tokens each "
-        f"(torch on {a.device})")
-    tr_tok = greedy_sequences(target, random_windows(train_stream, a.sequences, a.prompt_len, rng), a.gen_len,
-                              batch=gen_batch, log=log)
-    ev_tok = greedy_sequences(target, random_windows(eval_stream, a.eval_sequences, a.prompt_len, rng), a.gen_len,
-                              batch=gen_batch, log=log)
-    tr_feat = hidden_features(target, tr_tok, layers)
-    ev_feat = hidden_features(target, ev_tok, layers)
+        f"(torch on {dev})")
+
+    def data(target, stream, n):  # tokens [n, S] and features [n, S, n_feat*D] (bf16), both on the device
+        tok = greedy_sequences(target, random_windows(stream, n, a.prompt_len, rng), a.gen_len, gen_batch, log)
+        tok = torch.as_tensor(tok, device=dev)
+        return tok, hidden_features(target, tok, layers, feature_batch, device=dev)
+
+    tr_tok, tr_feat = data(target, train_stream, a.sequences)
+    ev_tok, ev_feat = data(target, eval_stream, a.eval_sequences)
     data_s = time.perf_counter() - t0
     log(f"data ready in {data_s:.0f} s: features of layers {list(layers)} ({tr_feat.shape[-1]} per position)")
 
@@ -333,16 +378,13 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
                              {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}], lr=a.lr)
     S, B = tr_tok.shape[1], a.block_size
     lo, hi = a.prompt_len, S - B  # roots in the generated part, with room for a whole block
-
-    def anchors(n):
-        return np.stack([np.sort(rng.choice(np.arange(lo, hi + 1), a.anchors, replace=False)) for _ in range(n)])
-
-    ev_anchors = anchors(len(ev_tok))
+    gen = torch.Generator(device=dev).manual_seed(a.seed)  # batches and roots, drawn on the device
+    ev_anchors = sample_anchors(len(ev_tok), a.anchors, lo, hi, gen)
 
     def evaluate() -> tuple[float, list[float]]:
         with torch.no_grad():
             loss, hits, count = batch_loss(model, ev_tok, ev_feat, ev_anchors, a.gamma)
-        return float(loss), [round(float(h) / count, 4) for h in hits]
+        return float(loss), [round(h / count, 4) for h in hits.tolist()]
 
     total = a.steps or 10**9
     budget_s = a.minutes * 60 if a.minutes > 0 else float("inf")
@@ -353,8 +395,9 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
         lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
-        idx = rng.choice(len(tr_tok), min(a.batch, len(tr_tok)), replace=False)
-        loss, hits, count = batch_loss(model, tr_tok[idx], tr_feat[idx], anchors(len(idx)), a.gamma)
+        idx = torch.randperm(len(tr_tok), generator=gen, device=dev)[:a.batch]
+        loss, _, _ = batch_loss(model, tr_tok[idx], tr_feat[idx], sample_anchors(len(idx), a.anchors, lo, hi, gen),
+                                a.gamma)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

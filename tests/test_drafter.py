@@ -4,7 +4,9 @@
   the reference adding its context rows incrementally in chunks, torch in one batched row set.
 - The greedy-exact invariant with the learned drafter (random weights) on the CPU backend.
 - /drafter storage round-trips through the fixture format; bad drafter data is refused in one line.
-- The training data's target features are the hooked layers' outputs, kept on the host as bf16 bits.
+- The training data's target features are the hooked layers' outputs in bf16 (NumPy bits or a torch
+  tensor on the training device); a batch's positions and masks, built at once in torch, are
+  row_layout's for each sequence.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def lm_head(w):
 
 def test_torch_drafter_equals_reference(rng):
     torch = pytest.importorskip("torch")
-    from kdt.train_drafter import TorchDrafter, batch_loss, row_layout
+    from kdt.train_drafter import TorchDrafter, batch_loss, bf16_tensor, row_layout
 
     w = random_weights(CFG, int(rng.integers(1 << 30)))
     dw = random_drafter_weights(DCFG, CFG, int(rng.integers(1 << 30)))
@@ -60,11 +62,44 @@ def test_torch_drafter_equals_reference(rng):
     loss.backward()
     assert np.isfinite(float(loss.detach())) and count == 2 and hits.shape == (B - 1,)
     assert all(torch.isfinite(p.grad).all() for p in tm.params.values())
-    # features kept as bf16 bits on the host (hidden_features) give the loss of their float32 values
+    # bf16 features (hidden_features: NumPy bits, or a torch bf16 tensor) give the loss of their float32 values
     bits = f32_to_bf16_bits(feats.astype(np.float32))
-    loss16, _, _ = batch_loss(tm, tokens[None], bits[None], anchors[None], gamma=3.0)
+    as_torch = bf16_tensor(bits)
+    assert as_torch.dtype == torch.bfloat16
+    np.testing.assert_array_equal(as_torch.float().numpy(), bf16_bits_to_f32(bits))
     loss32, _, _ = batch_loss(tm, tokens[None], bf16_bits_to_f32(bits)[None], anchors[None], gamma=3.0)
-    assert float(loss16.detach()) == float(loss32.detach())
+    for f16 in (bits[None], as_torch[None]):
+        assert float(batch_loss(tm, tokens[None], f16, anchors[None], gamma=3.0)[0].detach()) == float(loss32.detach())
+    # a batch of sequences (device tensors) is the mean of their own losses
+    toks = rng.integers(0, CFG.vocab_size, (3, S))
+    fs = rng.standard_normal((3, S, nF * D))
+    anc = np.array([[4, 8], [2, 6], [7, 8]])
+    one = [float(batch_loss(tm, toks[i:i + 1], fs[i:i + 1], anc[i:i + 1], 3.0)[0].detach()) for i in range(3)]
+    loss3, hits3, count3 = batch_loss(tm, torch.tensor(toks), torch.tensor(fs), torch.tensor(anc), 3.0)
+    assert count3 == 6 and hits3.shape == (B - 1,)
+    assert abs(float(loss3.detach()) - np.mean(one)) < 1e-12, (float(loss3.detach()), one)
+
+
+def test_batch_layout_equals_row_layout(rng):
+    """batch_layout (torch, the whole batch at once) gives each sequence's row_layout positions and mask."""
+    torch = pytest.importorskip("torch")
+    from kdt.train_drafter import batch_layout, row_layout, sample_anchors
+
+    for S, J, B, N in [(13, 2, 5, 3), (40, 8, 4, 5), (24, 3, 16, 2), (9, 1, 2, 4)]:
+        anchors = rng.integers(0, S - B + 1, (N, J))  # any roots, unsorted and repeated too
+        anchors[0] = np.sort(rng.choice(S - B + 1, J, replace=False))
+        pos, mask = batch_layout(S, torch.tensor(anchors), B)
+        lay = [row_layout(S, a, B) for a in anchors]
+        assert pos.shape == (N, S + J * B) and mask.shape == (N, S + J * B, S + J * B) and mask.dtype == torch.bool
+        np.testing.assert_array_equal(pos.numpy(), np.stack([x.positions for x in lay]))
+        np.testing.assert_array_equal(mask.numpy(), np.stack([x.mask for x in lay]))
+    # sampled roots: distinct, ascending, within [lo, hi], the same for the same seed
+    gen = torch.Generator().manual_seed(5)
+    a = sample_anchors(64, 8, 10, 30, gen)
+    assert a.shape == (64, 8) and a.dtype == torch.int64 and int(a.min()) >= 10 and int(a.max()) <= 30
+    assert bool((a[:, 1:] > a[:, :-1]).all()) and len(set(a[:, 0].tolist())) > 1
+    assert torch.equal(a, sample_anchors(64, 8, 10, 30, torch.Generator().manual_seed(5)))
+    np.testing.assert_array_equal(sample_anchors(3, 21, 10, 30, gen).numpy(), np.tile(np.arange(10, 31), (3, 1)))
 
 
 def test_hidden_features_are_bf16_of_the_layer_outputs(rng):
@@ -81,6 +116,10 @@ def test_hidden_features_are_bf16_of_the_layer_outputs(rng):
     with torch.no_grad():  # hidden_states[1]: layer 0's output (the last entry would be after the final norm)
         h0 = model(torch.tensor(tokens), output_hidden_states=True).hidden_states[1].float().numpy()
     np.testing.assert_array_equal(got, f32_to_bf16_bits(np.concatenate([h0, h0], axis=-1)))
+    # on a device: a torch bf16 tensor of the same bits
+    on_dev = hidden_features(model, torch.tensor(tokens), (0, 0), batch=2, device="cpu")
+    assert on_dev.dtype == torch.bfloat16 and on_dev.shape == got.shape
+    np.testing.assert_array_equal(on_dev.view(torch.int16).numpy().view(np.uint16), got)
 
 
 def test_learned_drafter_keeps_the_invariant(rng):
@@ -202,6 +241,8 @@ def test_train_drafter_cli_smoke(tmp_path):
     (("--target-layers", "x"), "--target-layers"),
     (("--minutes", "0"), "--minutes"),
     (("--device", "gpu"), "--device"),
+    (("--anchors", "0"), "--anchors"),
+    (("--anchors", "178"), "--anchors"),  # the default gen-len 192 and block 16 leave 177 roots
 ])
 def test_train_drafter_refusals(tmp_path, args, msg):
     from kdt.testing import run_kdt
