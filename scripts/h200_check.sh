@@ -130,7 +130,8 @@ train)  # issue 8 on the H200: the demo target (torch, scripts/train_target.py),
   for L in 1 2; do summary+=("d$L: $(grep final: "$OUT/train_drafter_d$L.log" | cut -c1-150)"); done ;;
 drafters)  # issue 8: drafters for fixtures/model_code.h5 side by side (torch on the GPU), then each one's acceptance
   # table on held-out stdlib files on kdt's CUDA engine alone on the GPU (timed), written into its copy's drafter
-  # meta; then kdt verify of the first. DRAFT_VARIANTS="layers:intermediate ...";
+  # meta; then kdt verify of the first. DRAFT_VARIANTS="layers:intermediate ..."; DRAFT_BATCH, DRAFT_ARGS (more
+  # train-drafter options);
   # DRAFT_CORPUS=site: train on transformers' own *.py files (code the target never saw: not memorised)
   [ "${DRAFT_CORPUS:-}" = site ] && DRAFT_CORPUS=$(python3 -c 'import os, transformers; print(os.path.dirname(transformers.__file__))')
   corpus=${DRAFT_CORPUS:+--corpus $DRAFT_CORPUS}; echo "corpus: ${DRAFT_CORPUS:-stdlib}" > "$OUT/corpus.txt"
@@ -138,8 +139,8 @@ drafters)  # issue 8: drafters for fixtures/model_code.h5 side by side (torch on
   for V in ${DRAFT_VARIANTS:-2:512 1:512}; do
     L=${V%%:*}; I=${V##*:}; n=d${L}i$I; names+=($n)
     timeout ${DRAFT_TIMEOUT:-330} python3 -m kdt.cli train-drafter fixtures/model_code.h5 --out /tmp/$n.h5 --layers $L \
-      --intermediate $I --device cuda --minutes ${DRAFT_MIN:-3} --sequences ${DRAFT_SEQ:-12288} --batch 64 \
-      --eval-prompts 0 $corpus > "$OUT/train_drafter_$n.log" 2>&1 &
+      --intermediate $I --device cuda --minutes ${DRAFT_MIN:-3} --sequences ${DRAFT_SEQ:-12288} \
+      --batch ${DRAFT_BATCH:-64} ${DRAFT_ARGS:-} --eval-prompts 0 $corpus > "$OUT/train_drafter_$n.log" 2>&1 &
   done
   wait
   for n in "${names[@]}"; do
