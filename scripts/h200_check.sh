@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|all-tests
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -187,6 +187,16 @@ tree)  # session 6's last change, unmeasured there (tree_build writes visibility
   step bench_tiny 150 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
     --json "$OUT/bench-$day-tiny.json"
   step profile_kernels 150 python3 scripts/profile_kernels.py --cases tiny,code --json "$OUT/profile-kernels-$day.json" ;;
+moe-wide)  # MoE version 2 past M = 8 at the engine level (KDT_MOE_V2_MAX_M=1024: every M): the learned
+  # drafter's table on model_code (its verify of 17+ nodes) with the default dispatch and with version 2
+  # everywhere, then the Moonlight bench with version 2 everywhere (its verify n >= 16 rows against the last
+  # default run's)
+  step drafter_default 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-moe-default.json"
+  step drafter_v2_all 150 env KDT_MOE_V2_MAX_M=1024 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
+    --eval-only --backend cuda --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-moe-v2-all.json"
+  step bench_moonlight_v2_all 280 env KDT_MOE_V2_MAX_M=1024 python3 -m kdt.cli bench --preset moonlight-16b-a3b \
+    --dtype bf16 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-moe-v2-all.json" ;;
 all-tests)  # every gpu-marked test, three pytest processes side by side (correctness only, nothing timed),
   # then kdt verify on CUDA
   export KDT_ERR_LOG="$OUT/errors.tsv"
@@ -203,7 +213,7 @@ all-tests)  # every gpu-marked test, three pytest processes side by side (correc
   for n in pytest_mla pytest_ddtree pytest_rest; do summary+=("$n: $(tail -n 2 "$OUT/$n.log" | tr '\n' ' ')"); done
   step verify_cuda_fp32 60 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
   step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|all-tests"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
