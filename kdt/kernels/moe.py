@@ -29,8 +29,9 @@ sums are reduced with warp shuffles (shared memory under the simulator). (nr, tt
 fp32 and (8, 4) for bf16 weights (``_TILE``, measured on an H200).
 
 The above is **version 1** (8 launches). **Version 2** (``VERSION`` / env ``KDT_MOE_VERSION``,
-``moe_forward(..., version=)``; by default for M <= ``V2_MAX_M`` = 8, where it measured 1.5-2.1x
-faster than version 1 on the H200, see ``V2_MAX_M``) computes the same layer in three launches:
+``moe_forward(..., version=)``; by default at every M whose M*k pairs fit ``V2_MAX_PAIRS``, where it
+measured faster than version 1 on the H200 at the kernel and the engine level, see ``V2_MAX_M``)
+computes the same layer in three launches:
 
 A. router logits + the shared experts' gate_up + (in the logits block that takes the last atomic
    ticket) the routing and the grouping of the M*k pairs, so the router's serial work hides behind
@@ -685,8 +686,13 @@ V2_MAX_PAIRS = _V2_P_TAIL
 # at M = 1, but 0.90x / 0.80x at M = 16 and 0.62x / 0.45x at M = 64; session 6, with _v2_mm's loads
 # issued before their uses and kernel B's shared-down blocks first (docs/perf/moe-2026-11-30-bf16.json):
 # M = 1 Moonlight 56.8 us (2.13x v1, was 90.7), Kimi 215 us (1.82x, 88% of copy); M = 8 with 2-token
-# tiles 216 / 1141 us (1.53x / 1.52x v1). M = 16 / 64 not re-measured: version 1 there.
-V2_MAX_M = int(os.environ.get("KDT_MOE_V2_MAX_M", "8"))
+# tiles 216 / 1141 us (1.53x / 1.52x v1). Session 7, same engine with KDT_MOE_V2_MAX_M=1024 (version 2
+# at every M) against version 1 past M = 8 (scripts/h200_check.sh moe-wide and session 6's bench): Moonlight
+# verify n = 16 / 64 / 256 at L = 512 16.7 / 49.9 / 181 -> 14.1 / 40.4 / 132 ms (L = 8192: 21.1 / 66.0 / 245 ->
+# 18.3 / 56.7 / 196), prefill P = 128 93 -> 69 ms; model_code's learned drafter (verify of 16-257 nodes, same
+# run) budget 16 / 64 / 256 5521 / 3704 / 1546 -> 5856 / 4182 / 1803 tok/s. So version 2 at every M (past
+# V2_MAX_PAIRS pairs, e.g. long prefills, moe_forward still runs version 1).
+V2_MAX_M = int(os.environ.get("KDT_MOE_V2_MAX_M", str(1 << 30)))
 # (Tried in session 4: version 2 at every M for small, launch-bound layers (the tiny fixture's 1.5 MB
 # of experts). Same-run A/B on the H200: tiny verify n = 1/4/16/64 0.293/0.347/0.465/0.808 ms with
 # version 1 at M > 1, 0.303/0.336/0.477/0.850 with version 2; DDTree chain 16750 vs 17082 tok/s: no
