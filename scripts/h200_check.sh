@@ -149,7 +149,10 @@ drafters)  # issue 8: drafters for fixtures/model_code.h5 side by side (torch on
       --out "$OUT/model_code_$n.h5" --json "$OUT/drafter-$day-model_code-cuda-$n.json"
   done
   step verify_code_cuda 60 python3 -m kdt.cli verify "$OUT/model_code_${names[0]}.h5" --backend cuda --dtype bf16
-  tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log ;;
+  # what comes back is at most 8 files of 16 MiB: the small ones in one archive, each model file in 15 MB parts
+  # (session 7 lost a 24 MB one; put it back together with: cat model_code_NAME.h5.part* > model_code_NAME.h5)
+  tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.json *.txt) && rm -f "$OUT"/*.log "$OUT"/*.json
+  for f in "$OUT"/model_code_*.h5; do split -b 15000000 -d "$f" "$f.part" && rm -f "$f"; done ;;
 moe)  # issue 7's MoE lever: where version 2's time goes (GPU alone: launch prefixes, launch-shape sweep, ncu
   # counters if this machine's runtime gives them), the per-kernel profile of the decode steps; then MoE's gpu tests
   # and kdt verify on CUDA (correctness, after the timings)
