@@ -191,11 +191,12 @@ tree)  # session 6's last change, unmeasured there (tree_build writes visibility
     --json "$OUT/bench-$day-tiny.json"
   step profile_kernels 150 python3 scripts/profile_kernels.py --cases tiny,code --json "$OUT/profile-kernels-$day.json" ;;
 moe-wide)  # MoE version 2 past M = 8 at the engine level (KDT_MOE_V2_MAX_M=1024: every M): the learned
-  # drafter's table on model_code (its verify of 17+ nodes) with the default dispatch and with version 2
-  # everywhere, then the Moonlight bench with version 2 everywhere (its verify n >= 16 rows against the last
-  # default run's)
-  step drafter_default 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
-    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-moe-default.json"
+  # drafter's table on model_code (its verify of 17+ nodes) with version 1 past M = 8 (session 6's default,
+  # KDT_MOE_V2_MAX_M=8; session 7 ran this step with the default of the time, the same) and with version 2
+  # everywhere (the default since), then the Moonlight bench with version 2 everywhere (its verify n >= 16 rows
+  # against the last version-1 run's)
+  step drafter_default 150 env KDT_MOE_V2_MAX_M=8 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
+    --eval-only --backend cuda --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-moe-default.json"
   step drafter_v2_all 150 env KDT_MOE_V2_MAX_M=1024 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
     --eval-only --backend cuda --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-moe-v2-all.json"
   step bench_moonlight_v2_all 280 env KDT_MOE_V2_MAX_M=1024 python3 -m kdt.cli bench --preset moonlight-16b-a3b \
