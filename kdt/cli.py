@@ -134,7 +134,8 @@ def generate(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens to generate."),
     drafter: str = typer.Option("auto", help="auto (the file's learned drafter if it has one, else suffix) | "
                                 "learned | suffix | useless | none (plain autoregressive)."),
-    budget: int = typer.Option(32, help="DDTree node budget per step."),
+    budget: int = typer.Option(16, help="DDTree node budget per step (16: the fastest measured with the learned "
+                               "drafter of fixtures/model_code.h5, on the H200 and on the CPU; see docs/PERF.md)."),
     block_size: int = typer.Option(0, help="Drafter block size, tree depth + 1 (0: the learned drafter's, "
                                    "else 8)."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (lossless)."),
