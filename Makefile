@@ -50,8 +50,8 @@ train-demo: $(STAMP)  ## retrain fixtures/model_code.h5 (target + drafter) on a 
 	$(BIN)/pip install -q -e '.[train]'
 	$(BIN)/python scripts/train_target.py --device cuda --steps 5458 --minutes 0 --batch 64 --warmup 100 \
 		--fixture $(CODE_MODEL)
-	$(BIN)/kdt train-drafter $(CODE_MODEL) --device cuda --steps 1385 --minutes 0 --sequences 32768 --batch 256 \
-		--anchors 16 --backend cuda --dtype bf16
+	$(BIN)/kdt train-drafter $(CODE_MODEL) --device cuda --steps 2489 --minutes 0 --layers 3 --intermediate 1024 \
+		--sequences 65536 --batch 256 --anchors 16 --backend cuda --dtype bf16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
