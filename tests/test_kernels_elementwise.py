@@ -114,11 +114,15 @@ def test_rmsnorm_gpu(rng, M, N, extra, wdtype):
 
 
 # ---- silu_mul -----------------------------------------------------------------------------------------
-def _check_silu_mul(rng, M, I):
+def _check_silu_mul(rng, M, I, halves=False):
     g = rng.standard_normal((M, I), dtype=np.float32) * 6.0  # reaches the saturated tails of silu
     u = rng.standard_normal((M, I), dtype=np.float32)
     d_out = cuda.to_device(poisoned((M, I)))
-    ew.silu_mul(cuda.to_device(g), cuda.to_device(u), d_out)
+    if halves:  # gate and up as the two column halves of one [M, 2I] buffer (dense_mlp version 2)
+        gu = cuda.to_device(np.concatenate([g, u], axis=1))
+        ew.silu_mul(gu[:, :I], gu[:, I:], d_out)
+    else:
+        ew.silu_mul(cuda.to_device(g), cuda.to_device(u), d_out)
     out = d_out.copy_to_host()
     ref = ops.silu(g.astype(np.float64)) * u
     for m in range(M):
@@ -127,8 +131,9 @@ def _check_silu_mul(rng, M, I):
 
 
 @pytest.mark.kernels
-def test_silu_mul_sim(rng):
-    _check_silu_mul(rng, M=3, I=70)
+@pytest.mark.parametrize("halves", [False, True])
+def test_silu_mul_sim(rng, halves):
+    _check_silu_mul(rng, M=3, I=70, halves=halves)
 
 
 @pytest.mark.kernels
@@ -137,6 +142,7 @@ def test_silu_mul_sim(rng):
 @pytest.mark.parametrize("M", [1, 256])
 def test_silu_mul_gpu(rng, M, I):
     _check_silu_mul(rng, M, I)
+    _check_silu_mul(rng, M, I, halves=True)
 
 
 # ---- add ----------------------------------------------------------------------------------------------

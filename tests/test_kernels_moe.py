@@ -267,9 +267,32 @@ def test_expert_gemms_multi_tile(rng, dtype):
     g, u, d = experts[0]
     sgu, sdn = moe.pack_experts([(g, u, d)], dtype)
     x0 = rng.standard_normal((M, D)).astype(np.float32)
+    ref = x0 + ops.mlp(x64, g.astype(np.float64), u.astype(np.float64), d.astype(np.float64))
+    for version in (1, 2):  # the grouped-GEMM kernels in dense mode; linear + silu_mul + linear
+        out = cuda.to_device(x0)
+        moe.dense_mlp(cuda.to_device(x), cuda.to_device(sgu), cuda.to_device(sdn),
+                      cuda.to_device(poisoned((M, moe.dense_mlp_scratch_cols(I)))), out, accumulate=True,
+                      version=version)
+        assert rel_err(out.copy_to_host(), ref) < FP32_BOUND, f"dense_mlp version {version}"
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("D,I", [(256, 768), (256, 1024), (2048, 11264)])
+@pytest.mark.parametrize("M", [1, 17, 32])
+def test_dense_mlp_gpu(rng, M, D, I, version):
+    """The dense MLP at the engine's shapes (fixtures/model_code.h5's layer 0 and its drafter's MLP, a
+    Moonlight-sized dense layer), bf16 weights, both versions, accumulating onto the residual."""
+    g, u, d = (_bf16_round(a) for a in _mlp_weights(rng, D, I))
+    sgu, sdn = moe.pack_experts([(g, u, d)], BF16)
+    x = rng.standard_normal((M, D)).astype(np.float32)
+    x0 = rng.standard_normal((M, D)).astype(np.float32)
     out = cuda.to_device(x0)
     moe.dense_mlp(cuda.to_device(x), cuda.to_device(sgu), cuda.to_device(sdn),
-                  cuda.to_device(poisoned((M, I))), out, accumulate=True)
+                  cuda.to_device(poisoned((M, moe.dense_mlp_scratch_cols(I)))), out, accumulate=True,
+                  version=version)
+    x64 = x.astype(np.float64)
     ref = x0 + ops.mlp(x64, g.astype(np.float64), u.astype(np.float64), d.astype(np.float64))
     assert rel_err(out.copy_to_host(), ref) < FP32_BOUND
 

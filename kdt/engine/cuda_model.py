@@ -182,7 +182,7 @@ class Buffers:
         self.q_pe = f32(M_max, H, dr)
         self.o_lat = f32(M_max, H, Rkv)
         self.o = f32(M_max, H * dv)
-        self.h = f32(M_max, cfg.intermediate_size) if cfg.first_k_dense_replace else None
+        self.h = f32(M_max, moe.dense_mlp_scratch_cols(cfg.intermediate_size)) if cfg.first_k_dense_replace else None
         self.logits = f32(M_max, V)
         self.choice = cuda.device_array(M_max, dtype=np.int64)
         # flash-decoding splits per token count, fixed for every L (splits past L+M stay empty), so

@@ -253,7 +253,8 @@ def silu_mul_kernel(g, u, out):
 
 
 def silu_mul(g, u, out, stream=0) -> None:
-    """out[M, I] = silu(g[M, I]) * u[M, I] (float32; separate gate / up buffers; out may be g or u)."""
+    """out[M, I] = silu(g[M, I]) * u[M, I] (float32; out may be g or u; g and u may be column slices, e.g.
+    the two halves of one [M, 2I] buffer)."""
     if not (tuple(g.shape) == tuple(u.shape) == tuple(out.shape) and len(out.shape) == 2):
         raise ValueError(f"silu_mul: g {tuple(g.shape)}, u {tuple(u.shape)}, out {tuple(out.shape)}")
     M, I = out.shape
@@ -384,6 +385,7 @@ def _register() -> None:
     register_ptx(_rmsnorm_kernel(np.dtype(np.float32)), (f2a, f1, float64, f2, int64),
                  name="rmsnorm_A_to_C")  # the engine's q_a_layernorm: [q_a | c] slice -> qa
     register_ptx(silu_mul_kernel, (f2, f2, f2))
+    register_ptx(silu_mul_kernel, (f2a, f2a, f2), name="silu_mul_halves")  # dense_mlp v2: gu[:, :I], gu[:, I:]
     register_ptx(add_kernel, (f2, f2, f2))
     register_ptx(copy_kernel, (f2, f2))
     register_ptx(argmax_rows_kernel, (f2, int64[::1]))

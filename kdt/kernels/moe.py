@@ -410,17 +410,46 @@ def expert_down(h, w_down, y, active, n_active, offsets, n_rows: int, stream=0) 
                n_active=n_active, offsets=offsets, rows=_dummy_i32(), n_experts=E, stream=stream)
 
 
-def dense_mlp(x, w_gate_up, w_down, h, out, M: int | None = None, accumulate: bool = True, stream=0) -> None:
-    """out[M, D] (+)= down(silu(gate(x)) * up(x)) for x[M, D]: the shared experts (one MLP of width
-    Is = moe_intermediate_size * n_shared_experts) through the same kernels in dense mode.
+# dense MLP version (env KDT_DENSE_MLP_VERSION): 1 = the two GEMM launches above in dense mode; 2 = linear
+# (kdt.kernels.linear's default, v2) for gate_up, silu_mul, linear for down (three launches)
+DENSE_MLP_VERSION = int(os.environ.get("KDT_DENSE_MLP_VERSION", "2"))
+
+
+def dense_mlp_scratch_cols(Is: int) -> int:
+    """Columns per token row of :func:`dense_mlp`'s scratch ``h`` (either version): 3 * Is."""
+    return 3 * Is
+
+
+def dense_mlp(x, w_gate_up, w_down, h, out, M: int | None = None, accumulate: bool = True, stream=0,
+              version: int | None = None) -> None:
+    """out[M, D] (+)= down(silu(gate(x)) * up(x)) for x[M, D]: a dense layer's MLP or the shared experts
+    (one MLP of width Is = moe_intermediate_size * n_shared_experts).
 
     w_gate_up[(1,) 2Is, D], w_down[(1,) D, Is] f32 or bf16 (uint16), as from :func:`pack_experts`;
-    h[>= M, Is] f32 scratch.
+    h f32 scratch, C-contiguous, at least M * 3Is elements (``[>= M, dense_mlp_scratch_cols(Is)]``).
+    ``version`` (default ``DENSE_MLP_VERSION``):
+
+    - 1: the grouped-GEMM kernels in dense mode, silu * up fused into the gate_up GEMM (2 launches);
+    - 2: ``linear`` for gate_up into ``gu[M, 2Is]``, :func:`kdt.kernels.elementwise.silu_mul` of its
+      halves into ``a[M, Is]``, ``linear`` for down (3 launches; gu and a are consecutive stretches of h).
     """
     M = x.shape[0] if M is None else int(M)
     Wgu, epw = _words(_as3(w_gate_up))
     Wd, epw2 = _words(_as3(w_down))
     Is, D = Wgu.shape[1] // 2, Wd.shape[1]
+    if h.size < M * dense_mlp_scratch_cols(Is):
+        raise ValueError(f"dense_mlp: scratch of {h.size} elements < M * 3Is = {M * 3 * Is}")
+    if (DENSE_MLP_VERSION if version is None else version) == 2:
+        from kdt.kernels import elementwise as ew
+        from kdt.kernels.linear import linear
+
+        flat = h.reshape(h.size)
+        gu = flat[: M * 2 * Is].reshape(M, 2 * Is)  # [gate | up]
+        a = flat[M * 2 * Is: M * 3 * Is].reshape(M, Is)
+        linear(x[:M], _as3(w_gate_up)[0], gu, stream=stream)
+        ew.silu_mul(gu[:, :Is], gu[:, Is:], a, stream=stream)
+        linear(a, _as3(w_down)[0], out[:M], accumulate=accumulate, stream=stream)
+        return
     _launch_mm(x, Wgu, epw, h, Is, M, gated=True, grouped=False, gather=False, stream=stream)
     _launch_mm(h, Wd, epw2, out, D, M, gated=False, grouped=False, gather=False, accumulate=accumulate,
                stream=stream)
