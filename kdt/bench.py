@@ -157,7 +157,7 @@ class StageTimer:
 @dataclass
 class BenchConfig:
     prefill_sizes: tuple[int, ...] = (128, 512, 2048)
-    decode_tokens: int = 64
+    decode_tokens: int = 256  # per decode row (AR, each DDTree drafter): 32 oracle chain steps of block 8
     prompt_len: int = 64
     tree_sizes: tuple[int, ...] = (1, 4, 16, 64, 128, 256)
     tree_prefixes: tuple[int, ...] = (512, 8192)
