@@ -179,6 +179,25 @@ def test_linear_v2_plan_fills_the_gpu(monkeypatch):
         assert ks // (32 * U) >= lin.V2_MIN_STEPS or S == 1
 
 
+def test_linear_v2_plan_small_grid_rule(monkeypatch):
+    """With K too short to split (fixtures/model_code.h5: K = 256, bf16 pairs -> 128 words), the token tile
+    shrinks until the grid covers half of the 132 SMs (4 at most down), and only there: Moonlight's shapes,
+    wide N and M = 1 keep the tile of _v2_tm; with the rule off (the default until measured) every shape
+    keeps it."""
+    monkeypatch.setattr(lin, "V2_WARPS", 4)
+    monkeypatch.setattr(lin, "V2_SHRINK_TM", True)
+    monkeypatch.setattr(lin, "_v2_plan", functools.cache(lin._v2_plan.__wrapped__))
+    # (N, Kw, M) -> TM with the rule
+    cases = {(256, 128, 32): 4, (256, 128, 17): 4, (192, 128, 16): 4, (2048, 128, 32): 16, (1536, 128, 17): 8,
+             (256, 128, 1): 1, (576, 1024, 16): 16, (576, 1024, 64): 16, (3072, 1024, 64): 16}
+    for (N, Kw, M), want in cases.items():
+        assert lin._v2_plan(M, N, Kw, 132)[0] == want, (N, Kw, M)
+    monkeypatch.setattr(lin, "V2_SHRINK_TM", False)
+    monkeypatch.setattr(lin, "_v2_plan", functools.cache(lin._v2_plan.__wrapped__))
+    for N, Kw, M in cases:
+        assert lin._v2_plan(M, N, Kw, 132)[0] == lin._v2_tm(M), (N, Kw, M)
+
+
 @pytest.mark.kernels
 def test_linear_rejects_bad_shapes():
     x, y = cuda.to_device(np.zeros((2, 8), np.float32)), cuda.to_device(np.zeros((2, 4), np.float32))

@@ -103,6 +103,15 @@ V2_MIN_STEPS = 4  # at least this many steps per lane per K-split
 V2_SPLIT_FIXED = 2  # per-block cost besides its steps (start-up latency, reduction), in steps
 V2_SPLIT_REDUCE = 4  # cost of the reduce kernel, in steps
 V2_MAX_SPLITS = 32
+# Small-grid rule (env KDT_LINEAR_V2_SHRINK_TM=1; off by default: NOT YET MEASURED, session 8's device time
+# ran out during its A/B). Where K is too short to split and N gives few row groups (the 256-wide projections
+# of fixtures/model_code.h5 at M = 17-32: 16-24 blocks on 132 SMs; linear_v2 took 8.2 us a launch there, 1.6 us
+# at M = 1), halve the token tile (16 -> 8 -> 4) while the grid covers less than half the SMs: more blocks,
+# each with fewer accumulators to reduce. Moonlight / Kimi shapes keep their tiles (K-splits fill the GPU).
+# Prediction: the learned DDTree step on model_code ~10% faster, the tiny oracle chain a few %, AR unchanged.
+# To measure: the drafter table (`kdt train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype
+# bf16`) and the tiny bench with the variable 0 and 1 on one machine.
+V2_SHRINK_TM = os.environ.get("KDT_LINEAR_V2_SHRINK_TM", "0") == "1"
 
 
 def _skinny_config(M: int, N: int) -> tuple[int, int, int]:
@@ -649,7 +658,15 @@ def _v2_plan(M: int, N: int, Kw: int, nsm: int, tm: int | None = None, splits: i
     Without a split there are cdiv(M, TM) * cdiv(N, NR * warps) blocks; small N (576-row
     kv_a_proj_with_mqa: 18 row blocks) would leave most of the 132 SMs idle, so the K range is cut
     into S pieces (at least V2_MIN_STEPS steps per lane each), S chosen by a wave-quantisation model
-    (V2_BLOCKS_PER_SM resident blocks per SM). Host-known shapes only (CUDA-graph safe)."""
+    (V2_BLOCKS_PER_SM resident blocks per SM); where K is too short for that, smaller token tiles
+    (``V2_SHRINK_TM``). Host-known shapes only (CUDA-graph safe)."""
+    if tm is None and V2_SHRINK_TM:  # the small-grid rule (see V2_SHRINK_TM)
+        tm = _v2_tm(M)
+        while tm > 4:
+            S = _v2_plan(M, N, Kw, nsm, tm, splits, warps)[4]
+            if cdiv(M, tm) * cdiv(N, V2_NR * (warps or V2_WARPS)) * S >= nsm // 2:
+                break
+            tm //= 2
     TM = tm or _v2_tm(M)
     NR, U, warps = V2_NR, V2_U[TM], warps or V2_WARPS
     STEP = WARP * U
