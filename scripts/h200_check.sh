@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -41,7 +41,7 @@ all-engine)  # the engine, convert and the bench in one call (< 10 min)
   step bench_moonlight 240 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json" ;;
 bench)
-  step bench_tiny 150 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+  step bench_tiny 200 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
     --json "$OUT/bench-$day-tiny.json"
   step bench_moonlight 420 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json" ;;
@@ -187,7 +187,7 @@ tree)  # session 6's last change, unmeasured there (tree_build writes visibility
     -p no:cacheprovider --durations=5
   step verify_cuda_fp32 60 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
   step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
-  step bench_tiny 150 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+  step bench_tiny 200 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
     --json "$OUT/bench-$day-tiny.json"
   step profile_kernels 150 python3 scripts/profile_kernels.py --cases tiny,code --json "$OUT/profile-kernels-$day.json" ;;
 moe-wide)  # MoE version 2 past M = 8 at the engine level (KDT_MOE_V2_MAX_M=1024: every M): the learned
@@ -217,7 +217,53 @@ all-tests)  # every gpu-marked test, three pytest processes side by side (correc
   for n in pytest_mla pytest_ddtree pytest_rest; do summary+=("$n: $(tail -n 2 "$OUT/$n.log" | tr '\n' ' ')"); done
   step verify_cuda_fp32 60 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
   step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests"; exit 2 ;;
+train-eval)  # session 8, issue 8: one drafter trained alone on the GPU (DRAFT_LAYERS, DRAFT_INTER, DRAFT_SEQ, DRAFT_MIN,
+  # DRAFT_BATCH, DRAFT_ARGS) while the gpu tests the all-tests call left (MoE, engine, convert) run beside it
+  # (correctness only); the model comes back in 15 MB parts at once, then its acceptance table (GPU alone, timed)
+  # replaces them with the copy whose drafter meta records it; then kdt verify of that copy
+  export KDT_ERR_LOG="$OUT/errors.tsv"
+  ( timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests/test_kernels_moe.py tests/test_kernels_randn.py \
+      tests/test_engine_cuda.py tests/test_convert.py -p no:cacheprovider --durations=5 > "$OUT/pytest_rest.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_rest.log" ) &
+  n=d${DRAFT_LAYERS:-3}i${DRAFT_INTER:-1024}
+  step train_drafter_$n ${DRAFT_TIMEOUT:-400} python3 -m kdt.cli train-drafter fixtures/model_code.h5 --out /tmp/$n.h5 \
+    --layers ${DRAFT_LAYERS:-3} --intermediate ${DRAFT_INTER:-1024} --device cuda --minutes ${DRAFT_MIN:-4.5} \
+    --sequences ${DRAFT_SEQ:-65536} --batch ${DRAFT_BATCH:-256} ${DRAFT_ARGS:---anchors 16} --eval-prompts 0
+  wait
+  summary+=("pytest_rest: $(tail -n 2 "$OUT/pytest_rest.log" | tr '\n' ' ')")
+  parts() { split -b 15000000 -d "$1" "$OUT/$(basename "$1").part"; }
+  rm -f "$OUT"/*.part*; parts /tmp/$n.h5
+  step drafter_cuda_$n ${EVAL_TIMEOUT:-140} python3 -m kdt.cli train-drafter /tmp/$n.h5 --eval-only --backend cuda \
+    --dtype bf16 --out /tmp/model_code_$n.h5 --json "$OUT/drafter-$day-model_code-cuda-$n.json"
+  [ -f /tmp/model_code_$n.h5 ] && rm -f "$OUT"/*.part* && parts /tmp/model_code_$n.h5
+  step verify_code_cuda 50 python3 -m kdt.cli verify /tmp/model_code_$n.h5 --backend cuda --dtype bf16
+  tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.json *.txt *.tsv 2>/dev/null) && rm -f "$OUT"/*.log "$OUT"/*.json ;;
+dense-ab)  # session 8: the dense MLP (KDT_DENSE_MLP_VERSION 1: grouped-GEMM kernels in dense mode; 2: linear +
+  # silu_mul + linear): its gpu tests, then the learned drafter's table and the tiny bench with each version (GPU
+  # alone), then the per-kernel profile of the learned step with the new default
+  export KDT_ERR_LOG="$OUT/errors.tsv"
+  step pytest_dense 200 python3 -m pytest -q -m gpu tests/test_kernels_moe.py tests/test_kernels_elementwise.py \
+    -k "dense or silu" -p no:cacheprovider --durations=5
+  for v in 1 2; do
+    step drafter_mlp_v$v 120 env KDT_DENSE_MLP_VERSION=$v python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
+      --eval-only --backend cuda --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-mlp-v$v.json"
+  done
+  for v in 1 2; do
+    step bench_tiny_mlp_v$v 100 env KDT_DENSE_MLP_VERSION=$v python3 -m kdt.cli bench --model fixtures/model_tiny.h5 \
+      --dtype float32 --json "$OUT/bench-$day-tiny-mlp-v$v.json"
+  done
+  step profile_kernels 120 python3 scripts/profile_kernels.py --cases tiny,code --json "$OUT/profile-kernels-$day.json" ;;
+final8)  # session 8's last call: the Moonlight bench (GPU alone), then the engine and convert gpu tests beside
+  # kdt verify on CUDA (correctness only)
+  step bench_moonlight 300 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16.json"
+  ( timeout ${TEST_TIMEOUT:-210} python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_convert.py \
+      -p no:cacheprovider --durations=5 > "$OUT/pytest_engine.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_engine.log" ) &
+  step verify_cuda_fp32 90 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  summary+=("pytest_engine: $(tail -n 2 "$OUT/pytest_engine.log" | tr '\n' ' ')") ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
