@@ -55,7 +55,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import boolean, cuda, float32, float64, int32, int64, uint64
 
+from kdt.kernels import elementwise as ew
 from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, register_ptx
+from kdt.kernels.linear import linear
 
 # ---- compile-time maxima --------------------------------------------------------------------------
 E_MAX = 512  # routed experts (Kimi K2: 384)
@@ -440,9 +442,6 @@ def dense_mlp(x, w_gate_up, w_down, h, out, M: int | None = None, accumulate: bo
     if h.size < M * dense_mlp_scratch_cols(Is):
         raise ValueError(f"dense_mlp: scratch of {h.size} elements < M * 3Is = {M * 3 * Is}")
     if (DENSE_MLP_VERSION if version is None else version) == 2:
-        from kdt.kernels import elementwise as ew
-        from kdt.kernels.linear import linear
-
         flat = h.reshape(h.size)
         gu = flat[: M * 2 * Is].reshape(M, 2 * Is)  # [gate | up]
         a = flat[M * 2 * Is: M * 3 * Is].reshape(M, Is)
