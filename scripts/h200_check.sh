@@ -18,6 +18,10 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember the ex
   local rc=$?
   summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")")
 }
+parts() {  # parts FILE: FILE into $OUT in 15 MB pieces (the device returns at most 8 files of 16 MiB each);
+  # put it back together with: cat NAME.part* > NAME
+  split -b 15000000 -d "$1" "$OUT/$(basename "$1").part"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 case "$MODE" in
 engine)
@@ -152,7 +156,7 @@ drafters)  # issue 8: drafters for fixtures/model_code.h5 side by side (torch on
   # what comes back is at most 8 files of 16 MiB: the small ones in one archive, each model file in 15 MB parts
   # (session 7 lost a 24 MB one; put it back together with: cat model_code_NAME.h5.part* > model_code_NAME.h5)
   tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.json *.txt) && rm -f "$OUT"/*.log "$OUT"/*.json
-  for f in "$OUT"/model_code_*.h5; do split -b 15000000 -d "$f" "$f.part" && rm -f "$f"; done ;;
+  for f in "$OUT"/model_code_*.h5; do parts "$f" && rm -f "$f"; done ;;
 moe)  # issue 7's MoE lever: where version 2's time goes (GPU alone: launch prefixes, launch-shape sweep, ncu
   # counters if this machine's runtime gives them), the per-kernel profile of the decode steps; then MoE's gpu tests
   # and kdt verify on CUDA (correctness, after the timings)
@@ -231,7 +235,6 @@ train-eval)  # session 8, issue 8: one drafter trained alone on the GPU (DRAFT_L
     --sequences ${DRAFT_SEQ:-65536} --batch ${DRAFT_BATCH:-256} ${DRAFT_ARGS:---anchors 16} --eval-prompts 0
   wait
   summary+=("pytest_rest: $(tail -n 2 "$OUT/pytest_rest.log" | tr '\n' ' ')")
-  parts() { split -b 15000000 -d "$1" "$OUT/$(basename "$1").part"; }
   rm -f "$OUT"/*.part*; parts /tmp/$n.h5
   step drafter_cuda_$n ${EVAL_TIMEOUT:-140} python3 -m kdt.cli train-drafter /tmp/$n.h5 --eval-only --backend cuda \
     --dtype bf16 --out /tmp/model_code_$n.h5 --json "$OUT/drafter-$day-model_code-cuda-$n.json"

@@ -264,16 +264,22 @@ def test_expert_gemms_multi_tile(rng, dtype):
     y_ref = np.stack([h_got[p].astype(np.float64) @ experts[e][2].T for p, e in enumerate(e_of)])
     assert rel_err(y.copy_to_host(), y_ref) < FP32_BOUND
     # dense path: shared expert of width 20 over all 12 tokens, accumulated onto x0
-    g, u, d = experts[0]
-    sgu, sdn = moe.pack_experts([(g, u, d)], dtype)
     x0 = rng.standard_normal((M, D)).astype(np.float32)
-    ref = x0 + ops.mlp(x64, g.astype(np.float64), u.astype(np.float64), d.astype(np.float64))
     for version in (1, 2):  # the grouped-GEMM kernels in dense mode; linear + silu_mul + linear
-        out = cuda.to_device(x0)
-        moe.dense_mlp(cuda.to_device(x), cuda.to_device(sgu), cuda.to_device(sdn),
-                      cuda.to_device(poisoned((M, moe.dense_mlp_scratch_cols(I)))), out, accumulate=True,
-                      version=version)
-        assert rel_err(out.copy_to_host(), ref) < FP32_BOUND, f"dense_mlp version {version}"
+        _check_dense_mlp(x, x0, experts[0], dtype, version)
+
+
+def _check_dense_mlp(x, x0, weights, dtype, version):
+    """moe.dense_mlp(x) of one MLP (gate, up, down: already rounded to dtype's precision) accumulated onto
+    x0, scratch poisoned, against the float64 reference on the same weights."""
+    g = weights[0]
+    sgu, sdn = moe.pack_experts([weights], dtype)
+    out = cuda.to_device(x0)
+    moe.dense_mlp(cuda.to_device(x), cuda.to_device(sgu), cuda.to_device(sdn),
+                  cuda.to_device(poisoned((x.shape[0], moe.dense_mlp_scratch_cols(g.shape[0])))), out,
+                  accumulate=True, version=version)
+    ref = x0 + ops.mlp(x.astype(np.float64), *(w.astype(np.float64) for w in weights))
+    assert rel_err(out.copy_to_host(), ref) < FP32_BOUND, f"dense_mlp version {version}"
 
 
 @pytest.mark.kernels
@@ -284,17 +290,10 @@ def test_expert_gemms_multi_tile(rng, dtype):
 def test_dense_mlp_gpu(rng, M, D, I, version):
     """The dense MLP at the engine's shapes (fixtures/model_code.h5's layer 0 and its drafter's MLP, a
     Moonlight-sized dense layer), bf16 weights, both versions, accumulating onto the residual."""
-    g, u, d = (_bf16_round(a) for a in _mlp_weights(rng, D, I))
-    sgu, sdn = moe.pack_experts([(g, u, d)], BF16)
+    weights = tuple(_bf16_round(a) for a in _mlp_weights(rng, D, I))
     x = rng.standard_normal((M, D)).astype(np.float32)
     x0 = rng.standard_normal((M, D)).astype(np.float32)
-    out = cuda.to_device(x0)
-    moe.dense_mlp(cuda.to_device(x), cuda.to_device(sgu), cuda.to_device(sdn),
-                  cuda.to_device(poisoned((M, moe.dense_mlp_scratch_cols(I)))), out, accumulate=True,
-                  version=version)
-    x64 = x.astype(np.float64)
-    ref = x0 + ops.mlp(x64, g.astype(np.float64), u.astype(np.float64), d.astype(np.float64))
-    assert rel_err(out.copy_to_host(), ref) < FP32_BOUND
+    _check_dense_mlp(x, x0, weights, BF16, version)
 
 
 # ---- the whole layer ------------------------------------------------------------------------------

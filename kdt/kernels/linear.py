@@ -660,13 +660,14 @@ def _v2_plan(M: int, N: int, Kw: int, nsm: int, tm: int | None = None, splits: i
     into S pieces (at least V2_MIN_STEPS steps per lane each), S chosen by a wave-quantisation model
     (V2_BLOCKS_PER_SM resident blocks per SM); where K is too short for that, smaller token tiles
     (``V2_SHRINK_TM``). Host-known shapes only (CUDA-graph safe)."""
-    if tm is None and V2_SHRINK_TM:  # the small-grid rule (see V2_SHRINK_TM)
+    if tm is None and V2_SHRINK_TM:  # the small-grid rule (see V2_SHRINK_TM): the plan of the chosen tile
         tm = _v2_tm(M)
         while tm > 4:
-            S = _v2_plan(M, N, Kw, nsm, tm, splits, warps)[4]
-            if cdiv(M, tm) * cdiv(N, V2_NR * (warps or V2_WARPS)) * S >= nsm // 2:
-                break
+            TM, NR, _, w, S, _ = plan = _v2_plan(M, N, Kw, nsm, tm, splits, warps)
+            if cdiv(M, TM) * cdiv(N, NR * w) * S >= nsm // 2:
+                return plan
             tm //= 2
+        return _v2_plan(M, N, Kw, nsm, tm, splits, warps)
     TM = tm or _v2_tm(M)
     NR, U, warps = V2_NR, V2_U[TM], warps or V2_WARPS
     STEP = WARP * U

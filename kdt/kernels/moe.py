@@ -436,19 +436,21 @@ def dense_mlp(x, w_gate_up, w_down, h, out, M: int | None = None, accumulate: bo
       halves into ``a[M, Is]``, ``linear`` for down (3 launches; gu and a are consecutive stretches of h).
     """
     M = x.shape[0] if M is None else int(M)
-    Wgu, epw = _words(_as3(w_gate_up))
-    Wd, epw2 = _words(_as3(w_down))
-    Is, D = Wgu.shape[1] // 2, Wd.shape[1]
+    w_gate_up, w_down = _as3(w_gate_up), _as3(w_down)
+    Is = w_gate_up.shape[1] // 2
     if h.size < M * dense_mlp_scratch_cols(Is):
-        raise ValueError(f"dense_mlp: scratch of {h.size} elements < M * 3Is = {M * 3 * Is}")
+        raise ValueError(f"dense_mlp: scratch of {h.size} elements < M * {dense_mlp_scratch_cols(Is)}")
     if (DENSE_MLP_VERSION if version is None else version) == 2:
         flat = h.reshape(h.size)
         gu = flat[: M * 2 * Is].reshape(M, 2 * Is)  # [gate | up]
         a = flat[M * 2 * Is: M * 3 * Is].reshape(M, Is)
-        linear(x[:M], _as3(w_gate_up)[0], gu, stream=stream)
+        linear(x[:M], w_gate_up[0], gu, stream=stream)
         ew.silu_mul(gu[:, :Is], gu[:, Is:], a, stream=stream)
-        linear(a, _as3(w_down)[0], out[:M], accumulate=accumulate, stream=stream)
+        linear(a, w_down[0], out[:M], accumulate=accumulate, stream=stream)
         return
+    Wgu, epw = _words(w_gate_up)
+    Wd, epw2 = _words(w_down)
+    D = Wd.shape[1]
     _launch_mm(x, Wgu, epw, h, Is, M, gated=True, grouped=False, gather=False, stream=stream)
     _launch_mm(h, Wd, epw2, out, D, M, gated=False, grouped=False, gather=False, accumulate=accumulate,
                stream=stream)
