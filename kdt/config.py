@@ -61,6 +61,19 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
+    def dense_projections(self) -> list[tuple[str, int, int]]:
+        """(name, N, K) of each dense projection a forward runs through ``linear`` (y[M, N] = x[M, K] @ W^T):
+        the fused [q_a | kv_a] (or [q | kv_a]), q_b, o_proj, the dense layers' MLP, lm_head."""
+        D, H = self.hidden_size, self.num_attention_heads
+        nq = self.q_lora_rank or H * self.qk_head_dim
+        out = [("qkv_a", nq + self.kv_lora_rank + self.qk_rope_head_dim, D)]
+        if self.q_lora_rank:
+            out.append(("q_b_proj", H * self.qk_head_dim, self.q_lora_rank))
+        out.append(("o_proj", D, H * self.v_head_dim))
+        if self.first_k_dense_replace > 0:
+            out += [("mlp_gate_up", 2 * self.intermediate_size, D), ("mlp_down", D, self.intermediate_size)]
+        return out + [("lm_head", self.vocab_size, D)]
+
     @property
     def is_yarn(self) -> bool:
         rs = self.rope_scaling

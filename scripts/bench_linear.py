@@ -2,6 +2,7 @@
 
     python scripts/bench_linear.py [--presets moonlight-16b-a3b,kimi-k2] [--M 1,4,8,16,32,64,128]
                                    [--big-M 512,2048] [--sweep] [--json PATH]
+    python scripts/bench_linear.py --fixture fixtures/model_code.h5 [--M 1,16,17,32] [--json PATH]
 
 Times each kernel like ``python -m kdt.kernels.bench`` (kdt/kernels/bench.py: launches queued behind
 a spin kernel, CUDA events around the batch; weights rotated over >= 128 MB of copies so each launch
@@ -12,6 +13,11 @@ sanity check; correctness is tests/test_kernels_linear.py's business). ``--big-M
 M for the non-lm_head shapes (where v1 is the tiled GEMM). ``--sweep`` then times v2 over token tiles
 (8, 16), warps per block (4, 8) and K-splits at M = 16 and 64 and prints the best plan beside the
 default one (to retune kdt/kernels/linear.py's V2_* constants).
+
+``--fixture`` instead times the projections of one converted model and its drafter as the DDTree step
+runs them (the target in bf16, the drafter's float32 weights; one weight copy: a small model lives in
+L2), the default plan against every token tile (1 .. 16), 2 / 4 / 8 warps and the K-split the model
+picks for each, and prints the best plan per shape and M.
 """
 
 from __future__ import annotations
@@ -36,15 +42,50 @@ from kdt.kernels.common import cdiv  # noqa: E402
 
 def shapes(name: str) -> list[tuple[str, int, int]]:
     """(layer, N, K) of one preset's dense projections."""
-    cfg = preset(name)
-    D, H, V = cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size
-    dn, dr, dv, Rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    out = []
-    if cfg.q_lora_rank:
-        out += [("q_a_proj", cfg.q_lora_rank, D), ("q_b_proj", H * (dn + dr), cfg.q_lora_rank)]
-    else:
-        out.append(("q_proj", H * (dn + dr), D))
-    return out + [("kv_a_proj_with_mqa", Rkv + dr, D), ("o_proj", D, H * dv), ("lm_head", V, D)]
+    return preset(name).dense_projections()
+
+
+def fixture_shapes(path: str) -> list[tuple[str, int, int, type]]:
+    """(layer, N, K, weight dtype) of the dense projections of a fixture's target (bf16) and drafter (f32)."""
+    from kdt.fixture import read_fixture
+
+    fx = read_fixture(path)
+    out = [(name, N, K, np.uint16) for name, N, K in fx.config.dense_projections()]
+    if fx.drafter is not None:  # its stack (the target's lm_head is shared), float32 weights
+        dc = fx.drafter.config
+        out.append(("drafter fc", fx.config.hidden_size, len(dc.target_layers) * fx.config.hidden_size, np.float32))
+        out += [(f"drafter {name}", N, K, np.float32) for name, N, K in dc.stack_config(fx.config).dense_projections()
+                if name != "lm_head"]
+    return out
+
+
+def sweep_fixture(path: str, Ms: list[int]) -> list[dict]:
+    """Time linear_v2 at every plan variant on a fixture's shapes (one weight copy, L2-resident)."""
+    rows = []
+    print(f"-- {path}: linear_v2 us per launch (back to back); * = default plan; TM,S,warps")
+    for layer, N, K, wdt in fixture_shapes(path):
+        W = rand((N, K), wdt, 1 / np.sqrt(K))
+        Kw = K // 2 if (wdt == np.uint16 and K % 2 == 0) else K
+        for M in Ms:
+            x, y = rand((M, K)), cuda.device_array((M, N), np.float32)
+            nsm = lin._device()[1]
+            dflt = lin._v2_plan(M, N, Kw, nsm)
+            res = {}
+            for tm, w in itertools.product((1, 2, 4, 8, 16), (2, 4, 8)):
+                if tm > 1 and tm > 2 * M or (w != 4 and tm not in (4, 8)):
+                    continue
+                TM, _, _, ww, S, _ = lin._v2_plan(M, N, Kw, nsm, tm, None, w)
+                res[(TM, S, ww)] = time_us(rotating(lin.linear_v2, [W], x, y, tm=tm, warps=w), batch=64)
+            best = min(res, key=res.get)
+            d = (dflt[0], dflt[4], dflt[3])
+            us_d = res.get(d) or time_us(rotating(lin.linear_v2, [W], x, y), batch=64)
+            line = " ".join(f"{t},{s},{w}:{us:.1f}{'*' if (t, s, w) == d else ''}"
+                            for (t, s, w), us in sorted(res.items()))
+            print(f"{layer:18s} N={N:5d} K={K:5d} M={M:3d}: default {d} {us_d:5.1f} | best {best} {res[best]:5.1f}"
+                  f" | {line}", flush=True)
+            rows.append(dict(layer=layer, N=N, K=K, M=M, wdtype=np.dtype(wdt).name, default=d, us_default=us_d,
+                             best=best, us_best=res[best], us={f"{t},{s},{w}": us for (t, s, w), us in res.items()}))
+    return rows
 
 
 def timed(fn, est_us: float) -> float:
@@ -80,7 +121,14 @@ def main(argv=None) -> int:
     ap.add_argument("--big-M", default="512,2048")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fixture", default=None, help="time this fixture's shapes (target + drafter) instead")
     args = ap.parse_args(argv)
+    if args.fixture:
+        rows = sweep_fixture(args.fixture, [int(m) for m in args.M.split(",") if m])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"fixture": args.fixture, "rows": rows}, f, indent=1)
+        return 0
     Ms = [int(m) for m in args.M.split(",") if m]
     big = [int(m) for m in args.big_M.split(",") if m]
     bw = copy_bandwidth()

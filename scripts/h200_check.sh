@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -267,7 +267,41 @@ final8)  # session 8's last call: the Moonlight bench (GPU alone), then the engi
   step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
   wait
   summary+=("pytest_engine: $(tail -n 2 "$OUT/pytest_engine.log" | tr '\n' ' ')") ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8"; exit 2 ;;
+small-linear)  # session 9: the small-grid rule A/B on the drafter table, then linear_v2's plans at model_code's shapes
+  for v in 0 1; do
+    export KDT_LINEAR_V2_SHRINK_TM=$v; step "drafter_shrink$v" 200 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
+      --eval-only --backend cuda --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-shrink$v.json"
+  done
+  unset KDT_LINEAR_V2_SHRINK_TM
+  step bench_linear_code 280 python3 scripts/bench_linear.py --fixture fixtures/model_code.h5 --M ${LIN_M:-1,16,17,32} \
+    --json "$OUT/linear-code-$day.json"
+  [ -n "${LIN_TESTS:-}" ] && step pytest_gpu_linear 200 python3 -m pytest -q -m gpu tests/test_kernels_linear.py \
+    -p no:cacheprovider ;;
+final9)  # session 9: correctness first (gpu tests beside kdt verify), then the drafter table and the tiny bench alone
+  ( timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_convert.py \
+      -p no:cacheprovider --durations=5 > "$OUT/pytest_engine.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_engine.log" ) &
+  ( timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_ddtree_kernels.py tests/test_kernels_moe.py \
+      tests/test_kernels_linear.py -k "topk or (moonlight and bf16) or dense_mlp or plan" -p no:cacheprovider \
+      --durations=5 > "$OUT/pytest_kernels.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_kernels.log" ) &
+  step verify_cuda_fp32 200 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 120 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  summary+=("pytest_engine: $(tail -n 2 "$OUT/pytest_engine.log" | tr '\n' ' ')")
+  summary+=("pytest_kernels: $(tail -n 2 "$OUT/pytest_kernels.log" | tr '\n' ' ')")
+  step drafter_cuda 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-s9.json"
+  step bench_tiny 200 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s9.json" ;;
+moon9)  # session 9: the Moonlight bench, then where the learned step's GPU time goes now
+  step bench_moonlight 330 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s9.json"
+  step profile_kernels 120 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-code-s9.json" ;;
+ab9)  # session 9: the learned step's profile with draft_topk's rank path and the 4-deep b_perm copy (new), then
+  # with neither (old: KDT_TOPK_RANK_MAX_V=0 KDT_MOE_PERM_U=1; another kernel-cache key: everything recompiles)
+  step profile_new 200 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-code-s9-new.json"
+  export KDT_TOPK_RANK_MAX_V=0 KDT_MOE_PERM_U=1
+  step profile_old 200 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-code-s9-old.json" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -111,7 +111,7 @@ V2_SIM_CASES = [  # (M, N, K, wdtype, accumulate, tm, splits)
     (8, 17, 200, "f32", True, 8, 1),
     (17, 37, 300, "bf16", True, 16, 3),  # two token tiles, the second one partial
     (20, 33, 128, "f32", False, 16, 2),  # each split exactly one full chunk (fast staging only)
-    (33, 20, 71, "bf16", False, None, None),  # default plan: TM 8 (5 tiles)
+    (33, 20, 71, "bf16", False, None, None),  # default plan (the small-weight rule: TM 4, 9 tiles)
 ]
 
 
@@ -179,23 +179,33 @@ def test_linear_v2_plan_fills_the_gpu(monkeypatch):
         assert ks // (32 * U) >= lin.V2_MIN_STEPS or S == 1
 
 
-def test_linear_v2_plan_small_grid_rule(monkeypatch):
-    """With K too short to split (fixtures/model_code.h5: K = 256, bf16 pairs -> 128 words), the token tile
-    shrinks until the grid covers half of the 132 SMs (4 at most down), and only there: Moonlight's shapes,
-    wide N and M = 1 keep the tile of _v2_tm; with the rule off (the default until measured) every shape
-    keeps it."""
+def test_linear_v2_plan_small_weight_rule(monkeypatch):
+    """Small matrices (fixtures/model_code.h5's) take the smallest token tile (4 at least) whose plan fits
+    one wave of resident blocks and whose tiles together read at most V2_SHRINK_WORDS weight words: TM 4
+    at M = 16 / 17 / 32 of the DDTree step, 8 for the drafter's 2048 x 256 float32 gate_up at M = 32 (as
+    the H200 sweep found best); M <= 4 keeps its tile. No Moonlight or Kimi-K2 projection changes plan,
+    at any M; with the rule off every shape keeps _v2_tm's tile."""
+    from kdt.config import preset
+
     monkeypatch.setattr(lin, "V2_WARPS", 4)
-    monkeypatch.setattr(lin, "V2_SHRINK_TM", True)
-    monkeypatch.setattr(lin, "_v2_plan", functools.cache(lin._v2_plan.__wrapped__))
-    # (N, Kw, M) -> TM with the rule
-    cases = {(256, 128, 32): 4, (256, 128, 17): 4, (192, 128, 16): 4, (2048, 128, 32): 16, (1536, 128, 17): 8,
-             (256, 128, 1): 1, (576, 1024, 16): 16, (576, 1024, 64): 16, (3072, 1024, 64): 16}
-    for (N, Kw, M), want in cases.items():
-        assert lin._v2_plan(M, N, Kw, 132)[0] == want, (N, Kw, M)
+    fresh = functools.cache(lin._v2_plan.__wrapped__)
+    monkeypatch.setattr(lin, "_v2_plan", fresh)
+    # (N, Kw, M) -> TM: model_code's target (bf16 pairs) and drafter (float32 words) projections
+    small = {(176, 128, 17): 4, (192, 48, 16): 4, (256, 64, 32): 4, (1536, 128, 17): 4, (256, 384, 32): 4,
+             (256, 768, 16): 4, (2048, 256, 32): 8, (2048, 256, 17): 4, (256, 1024, 32): 4, (256, 128, 1): 1,
+             (256, 128, 3): 4}
+    for (N, Kw, M), want in small.items():
+        assert fresh(M, N, Kw, 132)[0] == want, (N, Kw, M)
+    big = [(N, K // 2, M) for name in ("moonlight-16b-a3b", "kimi-k2") for _, N, K in preset(name).dense_projections()
+           for M in (1, 8, 16, 17, 32, 64, 256)]
+    assert all(2 * N * Kw > lin.V2_SHRINK_WORDS for N, Kw, _ in big)
+    with_rule = {c: fresh(c[2], c[0], c[1], 132) for c in big}
     monkeypatch.setattr(lin, "V2_SHRINK_TM", False)
-    monkeypatch.setattr(lin, "_v2_plan", functools.cache(lin._v2_plan.__wrapped__))
-    for N, Kw, M in cases:
-        assert lin._v2_plan(M, N, Kw, 132)[0] == lin._v2_tm(M), (N, Kw, M)
+    off = functools.cache(lin._v2_plan.__wrapped__)
+    monkeypatch.setattr(lin, "_v2_plan", off)
+    assert all(with_rule[c] == off(c[2], c[0], c[1], 132) for c in big)
+    for N, Kw, M in small:
+        assert off(M, N, Kw, 132)[0] == lin._v2_tm(M), (N, Kw, M)
 
 
 @pytest.mark.kernels

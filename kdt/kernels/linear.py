@@ -103,15 +103,17 @@ V2_MIN_STEPS = 4  # at least this many steps per lane per K-split
 V2_SPLIT_FIXED = 2  # per-block cost besides its steps (start-up latency, reduction), in steps
 V2_SPLIT_REDUCE = 4  # cost of the reduce kernel, in steps
 V2_MAX_SPLITS = 32
-# Small-grid rule (env KDT_LINEAR_V2_SHRINK_TM=1; off by default: NOT YET MEASURED, session 8's device time
-# ran out during its A/B). Where K is too short to split and N gives few row groups (the 256-wide projections
-# of fixtures/model_code.h5 at M = 17-32: 16-24 blocks on 132 SMs; linear_v2 took 8.2 us a launch there, 1.6 us
-# at M = 1), halve the token tile (16 -> 8 -> 4) while the grid covers less than half the SMs: more blocks,
-# each with fewer accumulators to reduce. Moonlight / Kimi shapes keep their tiles (K-splits fill the GPU).
-# Prediction: the learned DDTree step on model_code ~10% faster, the tiny oracle chain a few %, AR unchanged.
-# To measure: the drafter table (`kdt train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype
-# bf16`) and the tiny bench with the variable 0 and 1 on one machine.
-V2_SHRINK_TM = os.environ.get("KDT_LINEAR_V2_SHRINK_TM", "0") == "1"
+# Small-weight rule (env KDT_LINEAR_V2_SHRINK_TM, default "1"; "0" turns it off). A launch over a small
+# matrix is bound by the latency of one block, and that grows with the token tile (x staging, 1-4
+# reduction batches, more FMAs per step). So the tile halves (16 -> 8 -> 4) while the plan of the halved
+# tile, K-split re-planned, still fits one wave of resident blocks and its token tiles together read at
+# most V2_SHRINK_WORDS weight words (each tile streams the whole matrix; 12 MB: a small model's L2-resident
+# weights, read in about a microsecond). Measured on the H200, fixtures/model_code.h5's 12 projections at
+# M = 16 / 17 / 32 (scripts/bench_linear.py --fixture; docs/PERF.md, session 9): the _v2_tm tile took
+# 4.0-13.0 us a launch, this rule's 3.1-6.4 (within 0.4 us of the best of 9 plans everywhere). Moonlight
+# and Kimi-K2 projections are too large for two token tiles: their plans do not change.
+V2_SHRINK_TM = os.environ.get("KDT_LINEAR_V2_SHRINK_TM", "1") == "1"
+V2_SHRINK_WORDS = 3 << 20
 
 
 def _skinny_config(M: int, N: int) -> tuple[int, int, int]:
@@ -460,17 +462,27 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                         s(f"xr = x[min(m0 + {t}, M - 1)]")
                         for off in range(0, KCE, NT):
                             s(f"xs[sp, {t}, si + uint32({off // PACK})] = xr[xk + uint32({off})]")
-                ctx = s.block("else:  # the last, partial chunk: zeros past the range end and past M")
+                # the last, partial chunk: the same unrolled loads (all in flight at once), their index
+                # clamped, zeros past the range end. (A runtime loop here, one dependent load per trip,
+                # was most of linear_v2's time at K <= 1024: 1-2 us a token tile at TM = 8-16.)
+                with s.block("else:"):
+                    s("xk = uint32(c0 * PACK + tid)")
+                    s("xe = uint32(kend * PACK)")
+                    for t in T:
+                        s(f"xr = x[min(m0 + {t}, M - 1)]")
+                        for off in range(0, KCE, NT):
+                            s(f"v = xr[min(xk + uint32({off}), xe - uint32(1))]")
+                            s(f"xs[sp, {t}, si + uint32({off // PACK})] = "
+                              f"v if xk + uint32({off}) < xe else float32(0.0)")
             else:
-                ctx = s.block("if True:")
-            with ctx:  # generic staging: a runtime loop (small code), runs once per block at most
-                s("ce = cw * PACK")
-                s("cp = (cw + STEP - 1) // STEP * STEP * PACK")
-                with s.block("for e in range(tid, TM * cp, NT):"):
-                    s("t = e // cp")
-                    s("r = e - t * cp")
-                    s("xs[r % PACK, t, r // PACK] = x[min(m0 + t, M - 1), c0 * PACK + min(r, ce - 1)] "
-                      "if r < ce else float32(0.0)")
+                with s.block("if True:"):  # generic staging: a runtime loop (small code), once per block at most
+                    s("ce = cw * PACK")
+                    s("cp = (cw + STEP - 1) // STEP * STEP * PACK")
+                    with s.block("for e in range(tid, TM * cp, NT):"):
+                        s("t = e // cp")
+                        s("r = e - t * cp")
+                        s("xs[r % PACK, t, r // PACK] = x[min(m0 + t, M - 1), c0 * PACK + min(r, ce - 1)] "
+                          "if r < ce else float32(0.0)")
             s("cuda.syncthreads()")
             with s.block("if n0 < N:"):
                 with s.block("for i0 in range(0, cw, STEP):"):
@@ -649,6 +661,11 @@ def _v2_tm(M: int) -> int:
     return 16 if cdiv(M, 16) * 16 <= 1.1 * cdiv(M, 8) * 8 else 8
 
 
+def _v2_slots(nsm: int, TM: int, warps: int) -> int:
+    """Blocks of one wave: resident blocks per SM for the tile (V2_BLOCKS_PER_SM is for 4-warp blocks)."""
+    return max(nsm, nsm * V2_BLOCKS_PER_SM[TM] * 4 // warps)
+
+
 @cache
 def _v2_plan(M: int, N: int, Kw: int, nsm: int, tm: int | None = None, splits: int | None = None,
              warps: int | None = None):
@@ -658,14 +675,15 @@ def _v2_plan(M: int, N: int, Kw: int, nsm: int, tm: int | None = None, splits: i
     Without a split there are cdiv(M, TM) * cdiv(N, NR * warps) blocks; small N (576-row
     kv_a_proj_with_mqa: 18 row blocks) would leave most of the 132 SMs idle, so the K range is cut
     into S pieces (at least V2_MIN_STEPS steps per lane each), S chosen by a wave-quantisation model
-    (V2_BLOCKS_PER_SM resident blocks per SM); where K is too short for that, smaller token tiles
-    (``V2_SHRINK_TM``). Host-known shapes only (CUDA-graph safe)."""
-    if tm is None and V2_SHRINK_TM:  # the small-grid rule (see V2_SHRINK_TM): the plan of the chosen tile
+    (V2_BLOCKS_PER_SM resident blocks per SM); for small matrices, smaller token tiles while they fit
+    one wave and L2 (``V2_SHRINK_TM``). Host-known shapes only (CUDA-graph safe)."""
+    if tm is None and V2_SHRINK_TM:  # the small-weight rule (see V2_SHRINK_TM)
         tm = _v2_tm(M)
         while tm > 4:
-            TM, NR, _, w, S, _ = plan = _v2_plan(M, N, Kw, nsm, tm, splits, warps)
-            if cdiv(M, TM) * cdiv(N, NR * w) * S >= nsm // 2:
-                return plan
+            TM, NR, _, w, S, _ = _v2_plan(M, N, Kw, nsm, tm // 2, splits, warps)
+            if (cdiv(M, TM) * cdiv(N, NR * w) * S > _v2_slots(nsm, TM, w)
+                    or cdiv(M, TM) * N * Kw > V2_SHRINK_WORDS):
+                break
             tm //= 2
         return _v2_plan(M, N, Kw, nsm, tm, splits, warps)
     TM = tm or _v2_tm(M)
@@ -674,7 +692,7 @@ def _v2_plan(M: int, N: int, Kw: int, nsm: int, tm: int | None = None, splits: i
     steps = cdiv(Kw, STEP)
     if splits is None:  # the S of least modelled time: waves * (steps per block + fixed) (+ reduce)
         base = cdiv(M, TM) * cdiv(N, NR * warps)
-        slots = max(nsm, nsm * V2_BLOCKS_PER_SM[TM] * 4 // warps)  # (the table is for 4-warp blocks)
+        slots = _v2_slots(nsm, TM, warps)
         smax = min(steps // V2_MIN_STEPS, V2_MAX_SPLITS) if base < 4 * slots else 1  # many waves: no split
         splits = min(range(1, max(1, smax) + 1),
                      key=lambda S: (cdiv(base * S, slots) * (cdiv(steps, S) + V2_SPLIT_FIXED)
