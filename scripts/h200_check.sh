@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -296,12 +296,16 @@ moon9)  # session 9: the Moonlight bench, then where the learned step's GPU time
   step bench_moonlight 330 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s9.json"
   step profile_kernels 120 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-code-s9.json" ;;
-ab9)  # session 9: the learned step's profile with draft_topk's rank path and the 4-deep b_perm copy (new), then
-  # with neither (old: KDT_TOPK_RANK_MAX_V=0 KDT_MOE_PERM_U=1; another kernel-cache key: everything recompiles)
+ab9)  # session 9, as run at commit 0b73aab (its knobs KDT_TOPK_RANK_MAX_V and KDT_MOE_PERM_U are gone: both
+  # changes lost and were reverted): the learned step's profile with them, then without (old)
   step profile_new 200 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-code-s9-new.json"
   export KDT_TOPK_RANK_MAX_V=0 KDT_MOE_PERM_U=1
   step profile_old 200 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-code-s9-old.json" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9"; exit 2 ;;
+drafter9)  # session 9's last call: kdt verify of model_code, then the drafter table alone
+  step verify_code_cuda 150 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step drafter_cuda 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-s9-final.json" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

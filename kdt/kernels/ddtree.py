@@ -31,7 +31,6 @@ rows x (512 + 64) columns. A warp-parallel selection would be the next step for 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -434,12 +433,7 @@ register_ptx(stage_tree, (_I64_2, _I64_2, uint8[:, :, ::1], _I32_1, int32, _I64_
 # --------------------------------------------------------------------------------------------------
 # the rest of a DDTree step on the device: the drafter's top-k, staging, feature gather, commit
 # --------------------------------------------------------------------------------------------------
-TOPK_MAX_V = 4096  # draft_topk holds a whole vocabulary row in shared memory (32 KiB)
-# rows this short are ranked (each element counts those before it: V comparisons a thread, no barrier),
-# longer ones bitonic-sorted (36 barrier-separated passes at V = 256: 15 us a launch on the H200, session 8's
-# profile of the learned DDTree step). Small in the simulator, so that its tests run both paths.
-TOPK_RANK_MAX_V = 48 if IS_SIM else int(os.environ.get("KDT_TOPK_RANK_MAX_V", "1024"))
-_TOPK_TV = max(1, TOPK_RANK_MAX_V)  # the ranked path's top-K values in shared memory
+TOPK_MAX_V = 4096  # draft_topk sorts a whole vocabulary row in shared memory (32 KiB)
 _TOPK_NT = 64 if IS_SIM else 512
 
 
@@ -455,38 +449,16 @@ def draft_topk(logits, out_tok, out_logp):
     out_tok[0, d, :K] (int64, descending, ties to the smaller token id: the order of a stable argsort)
     and their log-probabilities out_logp[0, d, :K] = logit - logsumexp(row) (float32).
 
-    grid = D blocks (one per row). V <= TOPK_RANK_MAX_V: each element's rank is the number of elements
-    that sort before it, and the first K ranks go to (tv, si); else a bitonic sort of the row (padded to
-    a power of two with -inf) in shared memory. Then a block reduction of sum(exp(v - max))."""
+    grid = D blocks (one per row); a bitonic sort of the row (padded to a power of two with -inf) in
+    shared memory, then a block reduction of sum(exp(v - max)) (the maximum is the sorted row's head)."""
     sv = cuda.shared.array(TOPK_MAX_V, float32)
     si = cuda.shared.array(TOPK_MAX_V, int32)
-    tv = cuda.shared.array(_TOPK_TV, float32)
     red = cuda.shared.array(_TOPK_NT, float32)
     d = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     V = logits.shape[1]
     K = out_tok.shape[2]
-    if V <= TOPK_RANK_MAX_V:
-        for i in range(tid, V, nt):
-            sv[i] = logits[d, i]
-        cuda.syncthreads()
-        V4 = V - V % 4
-        for i in range(tid, V, nt):
-            v = sv[i]
-            r = 0
-            for j in range(0, V4, 4):  # sv[j]: the same word for every lane (a broadcast); 4 loads in flight
-                a0, a1, a2, a3 = sv[j], sv[j + 1], sv[j + 2], sv[j + 3]
-                r += int32(_ranks_before(a0, j, v, i)) + int32(_ranks_before(a1, j + 1, v, i)) + \
-                    int32(_ranks_before(a2, j + 2, v, i)) + int32(_ranks_before(a3, j + 3, v, i))
-            for j in range(V4, V):
-                r += int32(_ranks_before(sv[j], j, v, i))
-            if r < K:  # ranks are distinct: (value, index) is a strict total order
-                tv[r] = v
-                si[r] = i
-        cuda.syncthreads()
-        _topk_write(sv, V, tv, si, K, red, d, tid, nt, out_tok, out_logp)
-        return
     P = 1
     while P < V:
         P *= 2
@@ -512,14 +484,7 @@ def draft_topk(logits, out_tok, out_logp):
             cuda.syncthreads()
             j //= 2
         k *= 2
-    _topk_write(sv, V, sv, si, K, red, d, tid, nt, out_tok, out_logp)
-
-
-@cuda.jit(device=True, inline="always")  # (a called device function needs a GPU for the sm_90 check)
-def _topk_write(sv, V, top_v, top_i, K, red, d, tid, nt, out_tok, out_logp):
-    """out_tok[0, d, :K] = top_i[:K], out_logp[0, d, :K] = top_v[:K] - logsumexp(sv[:V]) (top_v[0]: the
-    row's maximum). Block-wide (a tree reduction through red)."""
-    top = top_v[0]
+    top = sv[0]
     acc = float32(0.0)
     for i in range(tid, V, nt):
         acc += math.exp(sv[i] - top)
@@ -533,8 +498,8 @@ def _topk_write(sv, V, top_v, top_i, K, red, d, tid, nt, out_tok, out_logp):
         w //= 2
     lse = top + math.log(red[0])
     for i in range(tid, K, nt):
-        out_tok[0, d, i] = top_i[i]
-        out_logp[0, d, i] = top_v[i] - lse
+        out_tok[0, d, i] = si[i]
+        out_logp[0, d, i] = sv[i] - lse
 
 
 register_ptx(draft_topk, (float32[:, ::1], int64[:, :, ::1], float32[:, :, ::1]))

@@ -728,8 +728,6 @@ V2_MAX_M = int(os.environ.get("KDT_MOE_V2_MAX_M", str(1 << 30)))
 # version 1 at M > 1, 0.303/0.336/0.477/0.850 with version 2; DDTree chain 16750 vs 17082 tok/s: no
 # gain beyond run-to-run noise for 12 fewer launches per step, so the dispatch stays by M alone.)
 _V2_NRL = 2  # router-gate rows per logits block (all its warps split D)
-_V2_PERM_U = int(os.environ.get("KDT_MOE_PERM_U", "4"))  # elements of b a logits-block thread loads before
-# storing them to b_perm
 # Default version of moe_forward. Prediction (H200, bf16): 2 is faster at every M it takes. M=1
 # Moonlight: 3 launches instead of 8, the router's latency hidden behind the shared gate_up, every
 # GEMM with >= ~1000 warps in flight (v1's shared down had 256) -> ~45 us vs 121 us (138 MB at ~85% of
@@ -964,23 +962,12 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                         logits[p0 + t, e0 + r] = s
                 cuda.syncthreads()
             # ---- b -> b_perm (kernel B's activations), spread over the logits blocks ---------------
-            # (_V2_PERM_U loads in flight a thread before their stores: one load -> store per trip was
-            # ~0.5 us of dependent latency a trip, 9 trips at M = 17 of fixtures/model_code.h5)
             D = b.shape[1]
             Kwb = D // EPWB
-            MD = M * D
-            stride = nlb * NT
-            pv = cuda.local.array(_V2_PERM_U, float32)
-            for i0 in range(bid * NT + tid, MD, _V2_PERM_U * stride):
-                for q in range(_V2_PERM_U):
-                    i = min(i0 + q * stride, MD - 1)
-                    pv[q] = b[i // D, i % D]
-                for q in range(_V2_PERM_U):
-                    i = i0 + q * stride
-                    if i < MD:
-                        m = i // D
-                        d = i % D
-                        b_perm[m, (d % EPWB) * Kwb + d // EPWB] = pv[q]
+            for i in range(bid * NT + tid, M * D, nlb * NT):
+                m = i // D
+                d = i % D
+                b_perm[m, (d % EPWB) * Kwb + d // EPWB] = b[m, d]
             # ---- ticket: the last logits block routes -------------------------------------------------
             cuda.threadfence()
             cuda.syncthreads()
