@@ -188,6 +188,7 @@ def test_linear_v2_plan_small_weight_rule(monkeypatch):
     from kdt.config import preset
 
     monkeypatch.setattr(lin, "V2_WARPS", 4)
+    monkeypatch.setattr(lin, "V2_SHRINK_TM", True)
     fresh = functools.cache(lin._v2_plan.__wrapped__)
     monkeypatch.setattr(lin, "_v2_plan", fresh)
     # (N, Kw, M) -> TM: model_code's target (bf16 pairs) and drafter (float32 words) projections

@@ -37,7 +37,8 @@ rows, each lane a ``TM x 8`` register tile (TM = 1, 4, 8 or 16 by M) over the wo
 each x value it loads from shared memory (staged per block, K-chunks of up to ``V2_KCW`` words)
 serves 8 rows, so the hot loop is ~70% FFMA for TM = 16 (SASS: 256 FFMA, 32 LDS, 8 LDG of 367
 instructions per step). The next step's weight words are loaded before the current step's FMAs
-(double-buffered registers), and hot-loop indices are uint32 over a flat W (no wrap-around code).
+(double-buffered registers), and hot-loop indices are uint32 over a flat W (no wrap-around code). x is
+staged by unrolled loads, all in flight at once, also for a partial chunk (clamped, zeros past its end).
 Small N would leave SMs idle (N = 576: 18 row blocks), so :func:`_v2_plan` splits K into S pieces by
 a wave-quantisation model; each piece writes its partial sums to a cached scratch ``[S, M, N]``
 (allocated on a shape's first call, kept: CUDA-graph safe), and the last block of each output tile
@@ -49,7 +50,9 @@ ptxas (sm_90): 76 / 108 / 128 / 255 registers for TM = 1 / 4 / 8 / 16, no spills
 each variant in ~4-15 s. Measured on the H200 (``scripts/bench_linear.py``, bf16, GPU-only, every
 Moonlight / Kimi-K2 projection; docs/perf/linear-v1-v2-2026-11-29-bf16.json): v2 over v1 1.0-2.5x at
 M = 1 (lm_head at 96-100% of the copy bandwidth), 1.6-4.1x at M = 4, 1.5-12x at M = 16, 2.2-23x at
-M = 64, 1.7-3.0x at M = 512; 17-25 TFLOP/s from M = 64 (fp32 FMA, no tensor cores).
+M = 64, 1.7-3.0x at M = 512; 17-25 TFLOP/s from M = 64 (fp32 FMA, no tensor cores). Small matrices
+(a small model's, fixtures/model_code.h5) are latency-bound: there :func:`_v2_plan` takes smaller token
+tiles (``V2_SHRINK_TM``), 3.1-6.5 us a launch at M = 16-32 (docs/PERF.md, session 9).
 
 The NumPy reference is :func:`linear_ref` (= :func:`kdt.reference.ops.linear`).
 """
@@ -110,7 +113,7 @@ V2_MAX_SPLITS = 32
 # most V2_SHRINK_WORDS weight words (each tile streams the whole matrix; 12 MB: a small model's L2-resident
 # weights, read in about a microsecond). Measured on the H200, fixtures/model_code.h5's 12 projections at
 # M = 16 / 17 / 32 (scripts/bench_linear.py --fixture; docs/PERF.md, session 9): the _v2_tm tile took
-# 4.0-13.0 us a launch, this rule's 3.1-6.4 (within 0.4 us of the best of 9 plans everywhere). Moonlight
+# 3.7-13.0 us a launch, this rule's 3.1-6.5 (within 0.2 us of the best of 9 plans everywhere). Moonlight
 # and Kimi-K2 projections are too large for two token tiles: their plans do not change.
 V2_SHRINK_TM = os.environ.get("KDT_LINEAR_V2_SHRINK_TM", "1") == "1"
 V2_SHRINK_WORDS = 3 << 20
