@@ -267,7 +267,7 @@ final8)  # session 8's last call: the Moonlight bench (GPU alone), then the engi
   step verify_code_cuda 60 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
   wait
   summary+=("pytest_engine: $(tail -n 2 "$OUT/pytest_engine.log" | tr '\n' ' ')") ;;
-small-linear)  # session 9: the small-grid rule A/B on the drafter table, then linear_v2's plans at model_code's shapes
+small-linear)  # session 9: KDT_LINEAR_V2_SHRINK_TM=0 vs 1 on the drafter table, then linear_v2's plans at model_code's shapes
   for v in 0 1; do
     export KDT_LINEAR_V2_SHRINK_TM=$v; step "drafter_shrink$v" 200 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
       --eval-only --backend cuda --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-shrink$v.json"
