@@ -13,6 +13,8 @@ version 2's launches as growing prefixes of the forward, each launch's first rol
 (``moe.V2Launch.head``: A's router logits + routing tail without the shared gate_up, B's routed
 gate_up without the shared down) before the whole launch: the increments say where the forward's
 time goes. Every new launch shape compiles its kernels first (5-30 s each), outside the timed region.
+A ``--presets`` entry ending in ``.h5`` is a fixture: its MoE layer's shape, with random weights (e.g.
+``--presets fixtures/model_code.h5 --M 1,17,65 --parts``: the learned DDTree step's MoE layers).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from numba import cuda  # noqa: E402
 
 from kdt.config import preset  # noqa: E402
+from kdt.fixture import read_config  # noqa: E402
 from kdt.kernels import moe  # noqa: E402
 from kdt.kernels.bench import copy_bandwidth, moe_layer, rand, time_us  # noqa: E402
 
@@ -75,7 +78,8 @@ def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> l
 
 
 def bench_preset(name: str, Ms: list[int], dtype: str, sweep: bool, bw: float, parts: bool = False) -> list[dict]:
-    cfg = preset(name)
+    """``name``: a preset, or a fixture (``*.h5``) whose MoE layer shape is timed (random weights)."""
+    cfg = read_config(name) if name.endswith(".h5") else preset(name)
     wdt, wb = (np.uint16, 2) if dtype == "bf16" else (np.float32, 4)
     E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     layer = moe_layer(cfg, wdt)
