@@ -65,6 +65,25 @@ def test_forward_prefill_chunks_and_tree_verify_match_reference(dtype, rng):
     assert rel_err(out, exp) < 1e-5
 
 
+def test_fused_norm_forward_and_drafter_match_reference(rng, monkeypatch):
+    """``KDT_LINEAR_FUSE_NORM=1`` (RMSNorm folded into linear_v2's staging: each layer's input norm, the dense
+    layer's post-attention norm, the final norms): a chunked prefill and a tree verify of the target, and
+    the drafter's block, against the reference as with the default two launches."""
+    from kdt.kernels import linear as lin
+
+    monkeypatch.setattr(lin, "FUSE_NORM", True)
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    P = 11
+    prompt = rng.integers(0, MICRO.vocab_size, P)
+    cm, ref = cuda_model(MICRO, w), RefModel(MICRO, w, max_len=40)
+    assert rel_err(np.asarray(cm.forward(prompt, np.arange(P), 0, causal_block(P))),
+                   ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
+    vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
+    assert rel_err(np.asarray(cm.forward(toks, pos, P, vis)), ref.forward(toks, pos, P, vis)) < 1e-5
+    check_draft_model(MICRO, rng, n_ctx=5, max_tokens=4, block=3, layers=1)
+
+
 def test_forward_without_q_lora_matches_reference(rng):
     """Models without q LoRA (Moonlight: one q_proj) run q_proj and kv_a_proj_with_mqa as one stacked
     GEMM whose q columns feed q_absorb as a strided view: prefill and a tree verify against the reference."""

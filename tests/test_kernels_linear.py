@@ -126,6 +126,45 @@ def test_linear_v2_sim(rng, M, N, K, wdtype, accumulate, tm, splits):
     _check(rng, M, W_store, W_seen, W_fp32, accumulate, fn=functools.partial(lin.linear_v2, tm=tm, splits=splits))
 
 
+# (M, N, K, wdtype, accumulate, tm, splits): full + partial chunks, K-splits (each normalises whole rows),
+# a partial token tile, uint16 words (odd K)
+V2_NORM_CASES = [(1, 37, 300, "bf16", False, 1, 1), (3, 21, 130, "f32", True, 4, 2),
+                 (17, 37, 300, "bf16", True, 16, 3), (5, 33, 71, "bf16", False, None, None)]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("M,N,K,wdtype,accumulate,tm,splits", V2_NORM_CASES)
+def test_linear_norm_sim(rng, monkeypatch, fused, M, N, K, wdtype, accumulate, tm, splits):
+    """``norm``: y = rmsnorm(x; gw, eps) @ W^T (+ y) against float64, fused into linear_v2's staging (FUSE_NORM,
+    the plan forced by tm / splits) or through elementwise.rmsnorm into a (then a is checked too); x unchanged."""
+    monkeypatch.setattr(lin, "FUSE_NORM", fused)
+    W_store, W_seen, _ = _weights(rng, N, K, wdtype)
+    x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
+    gw = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32)
+    eps = 1e-6
+    y0 = rng.standard_normal((M, N)).astype(np.float32) if accumulate else poisoned((M, N))
+    d_x, d_gw, d_y, d_a = cuda.to_device(x), cuda.to_device(gw), cuda.to_device(y0), cuda.to_device(poisoned((M, K)))
+    x64 = x.astype(np.float64)
+    xn = x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps) * gw
+    if fused:
+        lin.linear_v2(d_x, cuda.to_device(W_store), d_y, accumulate, tm=tm, splits=splits, norm=(d_gw, eps))
+    else:
+        lin.linear(d_x, cuda.to_device(W_store), d_y, accumulate, norm=(d_gw, eps, d_a))
+        assert rel_err(d_a.copy_to_host(), xn) < 1e-6
+    ref = linear_ref(xn, W_seen) + (y0.astype(np.float64) if accumulate else 0.0)
+    assert rel_err(d_y.copy_to_host(), ref) < FP32_BOUND
+    np.testing.assert_array_equal(d_x.copy_to_host(), x)
+
+
+@pytest.mark.kernels
+def test_linear_norm_rejects_bad_weights():
+    x, y = cuda.to_device(np.zeros((2, 8), np.float32)), cuda.to_device(np.zeros((2, 4), np.float32))
+    W = cuda.to_device(np.zeros((4, 8), np.float32))
+    with pytest.raises(ValueError, match="norm weight"):
+        lin.linear_v2(x, W, y, norm=(cuda.to_device(np.ones(7, np.float32)), 1e-6))
+
+
 @pytest.mark.kernels
 def test_linear_v2_split_deterministic_and_scratch_reused(rng):
     """K-split partial sums are reduced in a fixed order (by the last block of each tile, same launch):

@@ -269,6 +269,29 @@ def test_expert_gemms_multi_tile(rng, dtype):
         _check_dense_mlp(x, x0, experts[0], dtype, version)
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("fused", [True, False])
+def test_dense_mlp_norm_in_place(rng, monkeypatch, version, fused):
+    """dense_mlp(x, .., out=x, norm=(gw, eps, a)): x += mlp(rmsnorm(x; gw, eps)), in place as the engine's
+    dense layers run it; the norm fused into gate_up's linear (KDT_LINEAR_FUSE_NORM) or written to a first."""
+    from kdt.kernels import linear as lin
+
+    monkeypatch.setattr(lin, "FUSE_NORM", fused)
+    M, D, I = 5, 36, 20
+    weights = _mlp_weights(rng, D, I)
+    x = (rng.standard_normal((M, D)) * 3).astype(np.float32)
+    gw = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32)
+    gu, dn = moe.pack_experts([weights], np.float32)
+    d_x = cuda.to_device(x)
+    moe.dense_mlp(d_x, cuda.to_device(gu), cuda.to_device(dn), cuda.to_device(poisoned((M, 3 * I))), d_x,
+                  accumulate=True, version=version, norm=(cuda.to_device(gw), 1e-6, cuda.to_device(poisoned((M, D)))))
+    x64 = x.astype(np.float64)
+    xn = x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + 1e-6) * gw
+    ref = x64 + ops.mlp(xn, *(w.astype(np.float64) for w in weights))
+    assert rel_err(d_x.copy_to_host(), ref) < FP32_BOUND
+
+
 def _check_dense_mlp(x, x0, weights, dtype, version):
     """moe.dense_mlp(x) of one MLP (gate, up, down: already rounded to dtype's precision) accumulated onto
     x0, scratch poisoned, against the float64 reference on the same weights."""

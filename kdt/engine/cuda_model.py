@@ -314,8 +314,7 @@ class DecoderStack:
         x, a = b.x[:M], b.a[:M]
         vis = b.vis[: M * M].reshape(M, M) if vis is None else vis
         for i, lw in enumerate(self.layers):
-            ew.rmsnorm(x, lw.input_layernorm, eps, a, stream=s)
-            linear(a, lw.qkv_a, b.qkv[:M], stream=s)  # [q_a (or q) | c]
+            linear(x, lw.qkv_a, b.qkv[:M], stream=s, norm=(lw.input_layernorm, eps, a))  # [q_a (or q) | c]
             qkv = b.qkv[:M]
             if lw.q_proj is None:
                 ew.rmsnorm(qkv[:, : b.Nq], lw.q_a_layernorm, eps, b.qa[:M], stream=s)
@@ -331,13 +330,14 @@ class DecoderStack:
                               b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s)
             mla.uv_project(b.o_lat[:M], lw.kv_b_proj, b.o[:M], stream=s)
             linear(b.o[:M], lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
-            ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s)
             if lw.moe is not None:
+                ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s)
                 moe.moe_forward(a, lw.moe, b.moe, x, M=M, accumulate=True, stream=s)
                 if self.record_experts is not None:
                     self.record_experts.append(int(b.moe.n_active.copy_to_host()[0]))
             else:
-                moe.dense_mlp(a, lw.mlp_gate_up, lw.mlp_down, b.h, x, M=M, accumulate=True, stream=s)
+                moe.dense_mlp(x, lw.mlp_gate_up, lw.mlp_down, b.h, x, M=M, accumulate=True, stream=s,
+                              norm=(lw.post_attention_layernorm, eps, a))
             if i in self.feature_layers:
                 ew.copy(x, self.feat[self.feature_layers.index(i), :M], stream=s)
 
@@ -419,8 +419,7 @@ class CudaModel(DecoderStack):
         b = self.buf
         ew.embedding(b.tokens[:M], self.embed_tokens, b.x[:M], stream=stream)
         self._layers(M, stream)
-        ew.rmsnorm(b.x[:M], self.norm, self.cfg.rms_norm_eps, b.a[:M], stream=stream)
-        linear(b.a[:M], self.lm_head, b.logits[:M], stream=stream)
+        linear(b.x[:M], self.lm_head, b.logits[:M], stream=stream, norm=(self.norm, self.cfg.rms_norm_eps, b.a[:M]))
 
     def compact(self, L: int, accepted) -> None:
         """Move cache slots L+accepted[i] -> L+i in every layer (one race-free kernel). ``L`` is the
@@ -502,8 +501,7 @@ class CudaDraftModel(DecoderStack):
         ew.embedding(b.tokens[B: B + 1], self.embed_tokens, b.x[B: B + 1], stream=s)
         ew.copy(self.mask_rows, b.x[B + 1: 2 * B], stream=s)
         self._layers(2 * B, s, self.vis_step.reshape(2 * B, 2 * B))
-        ew.rmsnorm(b.x[B + 1: 2 * B], self.norm, eps, b.a[B + 1: 2 * B], stream=s)
-        linear(b.a[B + 1: 2 * B], self.lm_head, b.logits[: B - 1], stream=s)
+        linear(b.x[B + 1: 2 * B], self.lm_head, b.logits[: B - 1], stream=s, norm=(self.norm, eps, b.a[B + 1: 2 * B]))
 
     def block_program(self, stream=0) -> None:
         """The block [embed(root), mask x (B-1)] at positions [L, L + B) -> logits[:B-1] of depths 1..B-1."""
@@ -511,5 +509,4 @@ class CudaDraftModel(DecoderStack):
         ew.embedding(b.tokens[:1], self.embed_tokens, b.x[:1], stream=s)
         ew.copy(self.mask_rows, b.x[1:B], stream=s)
         self._layers(B, s, self.vis_block)
-        ew.rmsnorm(b.x[1:B], self.norm, eps, b.a[1:B], stream=s)
-        linear(b.a[1:B], self.lm_head, b.logits[: B - 1], stream=s)
+        linear(b.x[1:B], self.lm_head, b.logits[: B - 1], stream=s, norm=(self.norm, eps, b.a[1:B]))

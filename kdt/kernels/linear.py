@@ -59,12 +59,14 @@ The NumPy reference is :func:`linear_ref` (= :func:`kdt.reference.ops.linear`).
 
 from __future__ import annotations
 
+import math
 import os
 from functools import cache
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32
 
+from kdt.kernels import elementwise as ew
 from kdt.kernels.common import IS_SIM, WARP, Src, bf16_to_f32, cdiv, jit_source, register_ptx
 from kdt.reference.ops import linear as linear_ref  # noqa: F401  (re-exported for tests / callers)
 
@@ -117,6 +119,14 @@ V2_MAX_SPLITS = 32
 # and Kimi-K2 projections are too large for two token tiles: their plans do not change.
 V2_SHRINK_TM = os.environ.get("KDT_LINEAR_V2_SHRINK_TM", "1") == "1"
 V2_SHRINK_WORDS = 3 << 20
+# RMSNorm folded into linear_v2's staging of x (``linear(..., norm=...)``; env KDT_LINEAR_FUSE_NORM=1). Off by
+# default: NOT YET MEASURED (session 9 wrote it after its device time was spent). Of the learned budget-16 step's
+# 119 launches, 24 are rmsnorm (1.7-2 us each plus ~1.3 us of gap); the engine passes 13 of them (each layer's
+# input norm, the dense layers' post-attention norm, the final norms) through ``norm``. Each fused launch first
+# sums the squares of its token rows (one more pass over x, from L2). Prediction: the learned step ~5-8%
+# faster (13 launches fewer), the AR step ~10% (6 of its 65 launches); Moonlight unchanged within noise.
+# To measure: the drafter table and both benches with the variable 0 and 1 on one machine.
+FUSE_NORM = os.environ.get("KDT_LINEAR_FUSE_NORM", "0") == "1"
 
 
 def _skinny_config(M: int, N: int) -> tuple[int, int, int]:
@@ -412,15 +422,19 @@ def _v2_params(kind: str, TM: int, NR: int, U: int, warps: int) -> dict:
 
 
 def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int, KCE: int, NV: int,
-               UNPACK: tuple, **_) -> str:
+               UNPACK: tuple, WARPS: int, NORM: bool = False, **_) -> str:
     """Python source of the v2 kernel for one (TM, NR, PACK), every compile-time loop unrolled.
 
     Hot-loop indices are uint32 (Numba adds a negative-index wrap-around to every signed index) and
-    each weight row is a 1-D view taken once, so a step costs NR loads and next to no integer work."""
+    each weight row is a 1-D view taken once, so a step costs NR loads and next to no integer work.
+    NORM: x is RMS-normalised as it is staged (y = rmsnorm(x; gw, eps) @ W^T): each warp first sums the
+    squares of whole rows of its token tile (rows warp, warp + WARPS, ..), rstd lands in shared rs[t]."""
     T, R, Us, Ps = range(TM), range(NR), range(U), range(PACK)
     fast = KCE % NT == 0  # full chunks are staged with compile-time offsets
+    nf = [f" * nr_{t}" for t in T] if NORM else [""] * TM  # the staged value's factors: rstd of row t ..
+    gf = " * gw[{}]" if NORM else ""  # .. and the norm weight of column {}
     s = Src()
-    with s.block("def linear_v2(x, W, Kw, y, part, tickets, ks, accumulate):"):
+    with s.block(f"def linear_v2(x, W, Kw, y, part, tickets, ks, accumulate{', gw, eps' if NORM else ''}):"):
         s('"""x[M, K] f32, W[N * Kw] weight words (row-major [N, Kw], Kw = K / PACK, N * Kw < 2**32),')
         s("y[M, N] f32: y = x @ W^T (+ y), or,")
         s("with gridDim.z = S > 1, part[s, M, N] = the partial sum over words [s * ks, (s + 1) * ks), and")
@@ -452,6 +466,31 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
             s(f"j_{u} = min(uint32(kbeg + {u * WARP} + lane), klast)")
             for r in R:
                 s(f"w_{u}_{r} = W[ro_{r} + j_{u}]")
+        if NORM:  # rstd of each row of the token tile (whole rows: K-splits each compute it)
+            s("rs = cuda.shared.array(TM, float32)")
+            s("K = x.shape[1]")
+            for q in range(-(-TM // WARPS)):  # the same trip count in every warp (barriers in the simulator)
+                s(f"t = warp + {q * WARPS}")
+                s("xr = x[min(m0 + t, M - 1)]")
+                s("ss = float32(0.0)")
+                with s.block("for k in range(lane, K, WARP):"):
+                    s("v = xr[k]")
+                    s("ss += v * v")
+                if IS_SIM:  # no shuffles in the simulator: through shared memory
+                    s("red[warp, 0, lane] = ss")
+                    s("cuda.syncthreads()")
+                    with s.block("if lane == 0:"):
+                        with s.block("for i in range(1, WARP):"):
+                            s("ss += red[warp, 0, i]")
+                    s("cuda.syncthreads()")
+                else:
+                    for off in (16, 8, 4, 2, 1):
+                        s(f"ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, {off})")
+                with s.block("if lane == 0 and t < TM:"):
+                    s("rs[t] = float32(1.0) / math.sqrt(ss / float32(K) + eps)")
+            s("cuda.syncthreads()")
+            for t in T:
+                s(f"nr_{t} = rs[{t}]")
         if fast:
             s(f"sp = uint32(tid % {PACK})")
             s(f"si = uint32(tid // {PACK})")
@@ -464,7 +503,8 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                     for t in T:  # rows past M are clamped to row M - 1: their sums are never written
                         s(f"xr = x[min(m0 + {t}, M - 1)]")
                         for off in range(0, KCE, NT):
-                            s(f"xs[sp, {t}, si + uint32({off // PACK})] = xr[xk + uint32({off})]")
+                            s(f"xs[sp, {t}, si + uint32({off // PACK})] = xr[xk + uint32({off})]{nf[t]}"
+                              + gf.format(f"xk + uint32({off})"))
                 # the last, partial chunk: the same unrolled loads (all in flight at once), their index
                 # clamped, zeros past the range end. (A runtime loop here, one dependent load per trip,
                 # was most of linear_v2's time at K <= 1024: 1-2 us a token tile at TM = 8-16.)
@@ -474,7 +514,8 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                     for t in T:
                         s(f"xr = x[min(m0 + {t}, M - 1)]")
                         for off in range(0, KCE, NT):
-                            s(f"v = xr[min(xk + uint32({off}), xe - uint32(1))]")
+                            s(f"c = min(xk + uint32({off}), xe - uint32(1))")
+                            s(f"v = xr[c]{nf[t]}" + gf.format("c"))
                             s(f"xs[sp, {t}, si + uint32({off // PACK})] = "
                               f"v if xk + uint32({off}) < xe else float32(0.0)")
             else:
@@ -484,8 +525,9 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                     with s.block("for e in range(tid, TM * cp, NT):"):
                         s("t = e // cp")
                         s("r = e - t * cp")
-                        s("xs[r % PACK, t, r // PACK] = x[min(m0 + t, M - 1), c0 * PACK + min(r, ce - 1)] "
-                          "if r < ce else float32(0.0)")
+                        s("c = c0 * PACK + min(r, ce - 1)")
+                        s("xs[r % PACK, t, r // PACK] = x[min(m0 + t, M - 1), c]"
+                          + (" * rs[t] * gw[c]" if NORM else "") + " if r < ce else float32(0.0)")
             s("cuda.syncthreads()")
             with s.block("if n0 < N:"):
                 with s.block("for i0 in range(0, cw, STEP):"):
@@ -582,17 +624,17 @@ else:
 
 
 @cache
-def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int):
-    """The v2 kernel for one weight kind and (TM, NR, U, warps)."""
+def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int, norm: bool = False):
+    """The v2 kernel for one weight kind and (TM, NR, U, warps); ``norm``: the RMS-normalising variant."""
     _, PACK, _ = _KINDS[kind]
     prm = _v2_params(kind, TM, NR, U, warps)
-    ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, WARP=WARP, ldcg3=_ldcg3,
+    ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, math=math, WARP=WARP, ldcg3=_ldcg3,
               XS_SHAPE=(PACK, TM, prm["KCW"]), RED_SHAPE=(warps, min(prm["NV"], WARP), WARP))
     if IS_SIM:
         ns.update(unpack_lo=_v2_lo, unpack_hi=_v2_hi, unpack_b=_v2_bf16)
     else:
         ns.update(i2f=libdevice.int_as_float)
-    src = _v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind])
+    src = _v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind], NORM=norm)
     return jit_source(src, "linear_v2", ns, __name__)
 
 
@@ -624,19 +666,35 @@ def _pair_words(W, kind: str, K: int):
     return W, kind
 
 
-def linear(x, W, y, accumulate: bool = False, stream=0) -> None:
+def linear(x, W, y, accumulate: bool = False, stream=0, norm=None) -> None:
     """``y[M, N] = x[M, K] @ W[N, K]^T``, or ``y += x @ W^T`` with ``accumulate`` (fused residual add).
 
     x: float32 device array [M, K]; W: float32 or uint16 (bf16 bits) device array [N, K];
     y: float32 device array [M, N] (written; read too when ``accumulate``). y must not alias x.
     Launches on ``stream`` and returns without synchronising. Runs :func:`linear_v2` for
     ``V2_MIN_M <= M <= V2_MAX_M`` when ``VERSION == "2"``, else :func:`linear_v1`.
+
+    ``norm = (gw, eps, a)``: y = rmsnorm(x; gw[K] float32, eps) @ W^T. With ``FUSE_NORM`` and the v2 kernel
+    the normalisation happens as x is staged (one launch); else :func:`kdt.kernels.elementwise.rmsnorm`
+    writes a[M, K] first (two launches).
     """
     M = x.shape[0]
-    if VERSION == "2" and V2_MIN_M <= M <= V2_MAX_M:
+    v2 = VERSION == "2" and V2_MIN_M <= M <= V2_MAX_M
+    if norm is not None:
+        gw, eps, a = norm
+        if v2 and FUSE_NORM and _v2_reads(W):
+            return linear_v2(x, W, y, accumulate, stream, norm=(gw, eps))
+        ew.rmsnorm(x, gw, eps, a, stream=stream)
+        x = a
+    if v2:
         linear_v2(x, W, y, accumulate, stream)
     else:
         linear_v1(x, W, y, accumulate, stream)
+
+
+def _v2_reads(W) -> bool:
+    """linear_v2 reads W as one flat array with 32-bit offsets (else it runs v1)."""
+    return W.is_c_contiguous() and W.size < 1 << 32
 
 
 def linear_v1(x, W, y, accumulate: bool = False, stream=0) -> None:
@@ -733,32 +791,38 @@ def _scratch(dev: int, S: int, M: int, N: int, n_tiles: int):
 
 
 def linear_v2(x, W, y, accumulate: bool = False, stream=0, tm: int | None = None,
-              splits: int | None = None, warps: int | None = None) -> None:
+              splits: int | None = None, warps: int | None = None, norm=None) -> None:
     """:func:`linear` with the v2 kernel (any M); ``tm`` / ``splits`` / ``warps`` override the plan
-    (tests, sweeps).
+    (tests, sweeps); ``norm = (gw, eps)``: y = rmsnorm(x; gw, eps) @ W^T in the same launch.
 
     With S > 1 K-splits, partial sums go to a cached scratch buffer and the last block of each output
     tile to finish (atomic ticket) adds them in split order (then ``y`` when ``accumulate``), in the
     same launch: results are identical run to run."""
     M, K, N = _check_args(x, W, y)
+    if norm is not None and (tuple(norm[0].shape) != (K,) or np.dtype(norm[0].dtype) != np.float32):
+        raise ValueError(f"linear: the norm weight must be float32 [{K}], got {norm[0].dtype} {tuple(norm[0].shape)}")
     if M == 0 or N == 0:
         return
-    if not W.is_c_contiguous() or W.size >= 1 << 32:  # v2 reads W as one flat array, 32-bit offsets
+    if not _v2_reads(W):
+        if norm is not None:
+            raise ValueError("linear_v2: a normalising launch needs W contiguous with < 2**32 elements")
         return linear_v1(x, W, y, accumulate, stream)
     W, kind = _pair_words(W, _weight_kind(W), K)
     Kw = W.shape[1]
     dev, nsm = _device()
     TM, NR, U, warps, S, ks = _v2_plan(M, N, Kw, nsm, tm, splits, warps)
-    kern = _v2_kernel(kind, TM, NR, U, warps)
+    kern = _v2_kernel(kind, TM, NR, U, warps, norm is not None)
     acc = 1 if accumulate else 0
     grid = (cdiv(M, TM), cdiv(N, NR * warps), S)
     part, tickets = _scratch(dev, S, M, N, grid[0] * grid[1]) if S > 1 else _scratch(dev, 1, 1, 1, 1)
-    kern[grid, warps * WARP, stream](x, W.reshape(N * Kw), Kw, y, part, tickets, ks, acc)
+    args = (x, W.reshape(N * Kw), Kw, y, part, tickets, ks, acc)
+    kern[grid, warps * WARP, stream](*(args if norm is None else args + (norm[0], np.float32(norm[1]))))
 
 
 # ---- sm_90 compile check: both paths, every weight-word kind, every skinny tile config -----------------
-def V2_SIG(wt):  # noqa: N802 - the v2 kernel's signature for weight-word type wt
-    return (float32[:, ::1], wt[::1], int64, float32[:, ::1], float32[:, :, ::1], int32[::1], int64, int64)
+def V2_SIG(wt, norm: bool = False):  # noqa: N802 - the v2 kernel's signature for weight-word type wt
+    sig = (float32[:, ::1], wt[::1], int64, float32[:, ::1], float32[:, :, ::1], int32[::1], int64, int64)
+    return sig + ((float32[::1], float32) if norm else ())
 
 
 def _register() -> None:
@@ -776,6 +840,11 @@ def _register() -> None:
             U = V2_U[TM]
             register_ptx(_v2_kernel(kind, TM, V2_NR, U, warps), V2_SIG(wt),
                          name=f"linear_v2_{kind}_{TM}x{V2_NR}_u{U}_w{warps}")
+            # the normalising variant (one generator: its prologue and staging do not depend on TM or U), for
+            # the engine's word kinds at both step shapes (U = 2 and 1); 30 s of the check, not 100
+            if (kind, TM) in (("f32", 1), ("f32", 16), ("bf16x2", 1), ("bf16x2", 4)) and warps == V2_WARPS:
+                register_ptx(_v2_kernel(kind, TM, V2_NR, U, warps, True), V2_SIG(wt, True),
+                             name=f"linear_v2_norm_{kind}_{TM}x{V2_NR}_u{U}_w{warps}")
 
 
 _register()

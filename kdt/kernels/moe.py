@@ -423,9 +423,11 @@ def dense_mlp_scratch_cols(Is: int) -> int:
 
 
 def dense_mlp(x, w_gate_up, w_down, h, out, M: int | None = None, accumulate: bool = True, stream=0,
-              version: int | None = None) -> None:
+              version: int | None = None, norm=None) -> None:
     """out[M, D] (+)= down(silu(gate(x)) * up(x)) for x[M, D]: a dense layer's MLP or the shared experts
-    (one MLP of width Is = moe_intermediate_size * n_shared_experts).
+    (one MLP of width Is = moe_intermediate_size * n_shared_experts). ``norm = (gw, eps, a)``: of
+    rmsnorm(x; gw, eps) instead (see :func:`kdt.kernels.linear.linear`; a[M, D] is written unless the
+    normalisation is fused into the gate_up launch). x may be out when ``norm`` is given.
 
     w_gate_up[(1,) 2Is, D], w_down[(1,) D, Is] f32 or bf16 (uint16), as from :func:`pack_experts`;
     h f32 scratch, C-contiguous, at least M * 3Is elements (``[>= M, dense_mlp_scratch_cols(Is)]``).
@@ -440,11 +442,17 @@ def dense_mlp(x, w_gate_up, w_down, h, out, M: int | None = None, accumulate: bo
     Is = w_gate_up.shape[1] // 2
     if h.size < M * dense_mlp_scratch_cols(Is):
         raise ValueError(f"dense_mlp: scratch of {h.size} elements < M * {dense_mlp_scratch_cols(Is)}")
-    if (DENSE_MLP_VERSION if version is None else version) == 2:
+    v2 = (DENSE_MLP_VERSION if version is None else version) == 2
+    if norm is not None and not v2:
+        gw, eps, xa = norm
+        ew.rmsnorm(x[:M], gw, eps, xa[:M], stream=stream)
+        x, norm = xa, None
+    if v2:
         flat = h.reshape(h.size)
         gu = flat[: M * 2 * Is].reshape(M, 2 * Is)  # [gate | up]
         a = flat[M * 2 * Is: M * 3 * Is].reshape(M, Is)
-        linear(x[:M], w_gate_up[0], gu, stream=stream)
+        linear(x[:M], w_gate_up[0], gu, stream=stream,
+               norm=None if norm is None else (norm[0], norm[1], norm[2][:M]))
         ew.silu_mul(gu[:, :Is], gu[:, Is:], a, stream=stream)
         linear(a, w_down[0], out[:M], accumulate=accumulate, stream=stream)
         return
