@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -305,7 +305,18 @@ drafter9)  # session 9's last call: kdt verify of model_code, then the drafter t
   step verify_code_cuda 150 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
   step drafter_cuda 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-s9-final.json" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9"; exit 2 ;;
+norm-ab)  # next: KDT_LINEAR_FUSE_NORM (session 9, unmeasured): kdt verify with it on (correctness: the tiny and the
+  # learned model on CUDA), then the drafter table off / on back to back (each compiles everything: the
+  # variable is part of the kernel-cache key)
+  export KDT_LINEAR_FUSE_NORM=1
+  step verify_code_fused 150 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step verify_tiny_fused 120 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step drafter_fused 120 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-fused-norm.json"
+  export KDT_LINEAR_FUSE_NORM=0
+  step drafter_unfused 180 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-unfused-norm.json" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
