@@ -63,12 +63,12 @@ def sweep_fixture(path: str, Ms: list[int]) -> list[dict]:
     """Time linear_v2 at every plan variant on a fixture's shapes (one weight copy, L2-resident)."""
     rows = []
     print(f"-- {path}: linear_v2 us per launch (back to back); * = default plan; TM,S,warps")
+    nsm = lin._device()[1]
     for layer, N, K, wdt in fixture_shapes(path):
         W = rand((N, K), wdt, 1 / np.sqrt(K))
         Kw = K // 2 if (wdt == np.uint16 and K % 2 == 0) else K
         for M in Ms:
             x, y = rand((M, K)), cuda.device_array((M, N), np.float32)
-            nsm = lin._device()[1]
             dflt = lin._v2_plan(M, N, Kw, nsm)
             res = {}
             for tm, w in itertools.product((1, 2, 4, 8, 16), (2, 4, 8)):

@@ -39,8 +39,21 @@ def cuda_model(cfg, w, dtype="float32", max_len=40, max_tokens=8):
     return CudaModel(cfg, w, dtype=dtype, max_len=max_len, max_tokens=max_tokens)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bf16"])
-def test_forward_prefill_chunks_and_tree_verify_match_reference(dtype, rng):
+@pytest.fixture
+def fuse_norm(request, monkeypatch):
+    """KDT_LINEAR_FUSE_NORM for one test (param True: RMSNorm folded into linear_v2's staging of x)."""
+    from kdt.kernels import linear as lin
+
+    monkeypatch.setattr(lin, "FUSE_NORM", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype, fuse_norm", [("float32", False), ("bf16", False), ("float32", True)],
+                         indirect=["fuse_norm"])
+def test_forward_prefill_chunks_and_tree_verify_match_reference(dtype, fuse_norm, rng):
+    """Chunked prefill, a tree verify, compaction and an AR step against the reference; also with the
+    norms fused into linear_v2 (``KDT_LINEAR_FUSE_NORM``: each layer's input norm, the dense layer's
+    post-attention norm, the final norm)."""
     w = random_weights(MICRO, int(rng.integers(1 << 30)))  # bf16-exact weights: both dtypes use them as is
     P = 11  # > max_tokens: prefill runs in two chunks
     prompt = rng.integers(0, MICRO.vocab_size, P)
@@ -63,25 +76,6 @@ def test_forward_prefill_chunks_and_tree_verify_match_reference(dtype, rng):
     out = np.asarray(cm.forward(nxt, [P + 2], P + 2, np.ones((1, 1), bool)))
     exp = ref.forward(nxt, [P + 2], P + 2, np.ones((1, 1), bool))
     assert rel_err(out, exp) < 1e-5
-
-
-def test_fused_norm_forward_and_drafter_match_reference(rng, monkeypatch):
-    """``KDT_LINEAR_FUSE_NORM=1`` (RMSNorm folded into linear_v2's staging: each layer's input norm, the dense
-    layer's post-attention norm, the final norms): a chunked prefill and a tree verify of the target, and
-    the drafter's block, against the reference as with the default two launches."""
-    from kdt.kernels import linear as lin
-
-    monkeypatch.setattr(lin, "FUSE_NORM", True)
-    w = random_weights(MICRO, int(rng.integers(1 << 30)))
-    P = 11
-    prompt = rng.integers(0, MICRO.vocab_size, P)
-    cm, ref = cuda_model(MICRO, w), RefModel(MICRO, w, max_len=40)
-    assert rel_err(np.asarray(cm.forward(prompt, np.arange(P), 0, causal_block(P))),
-                   ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
-    vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
-    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
-    assert rel_err(np.asarray(cm.forward(toks, pos, P, vis)), ref.forward(toks, pos, P, vis)) < 1e-5
-    check_draft_model(MICRO, rng, n_ctx=5, max_tokens=4, block=3, layers=1)
 
 
 def test_forward_without_q_lora_matches_reference(rng):
@@ -205,7 +199,8 @@ def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers:
         assert rel_err(got, want) < 1e-5, rel_err(got, want)
 
 
-def test_cuda_draft_model_matches_reference(rng):
+@pytest.mark.parametrize("fuse_norm", [False, True], indirect=True)
+def test_cuda_draft_model_matches_reference(fuse_norm, rng):
     check_draft_model(MICRO, rng, n_ctx=7, max_tokens=4, block=3, layers=1)
 
 

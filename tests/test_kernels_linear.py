@@ -18,6 +18,7 @@ from numba import cuda
 from kdt.kernels import linear as lin
 from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.reference.ops import linear as linear_ref
+from kdt.reference.ops import rmsnorm as rmsnorm_ref
 from kdt.testing import poisoned, rel_err
 
 FP32_BOUND = 1e-5
@@ -145,8 +146,7 @@ def test_linear_norm_sim(rng, monkeypatch, fused, M, N, K, wdtype, accumulate, t
     eps = 1e-6
     y0 = rng.standard_normal((M, N)).astype(np.float32) if accumulate else poisoned((M, N))
     d_x, d_gw, d_y, d_a = cuda.to_device(x), cuda.to_device(gw), cuda.to_device(y0), cuda.to_device(poisoned((M, K)))
-    x64 = x.astype(np.float64)
-    xn = x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps) * gw
+    xn = rmsnorm_ref(x.astype(np.float64), gw, eps)
     if fused:
         lin.linear_v2(d_x, cuda.to_device(W_store), d_y, accumulate, tm=tm, splits=splits, norm=(d_gw, eps))
     else:

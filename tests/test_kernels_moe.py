@@ -283,12 +283,11 @@ def test_dense_mlp_norm_in_place(rng, monkeypatch, version, fused):
     x = (rng.standard_normal((M, D)) * 3).astype(np.float32)
     gw = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32)
     gu, dn = moe.pack_experts([weights], np.float32)
-    d_x = cuda.to_device(x)
-    moe.dense_mlp(d_x, cuda.to_device(gu), cuda.to_device(dn), cuda.to_device(poisoned((M, 3 * I))), d_x,
-                  accumulate=True, version=version, norm=(cuda.to_device(gw), 1e-6, cuda.to_device(poisoned((M, D)))))
+    d_x, h = cuda.to_device(x), cuda.to_device(poisoned((M, moe.dense_mlp_scratch_cols(I))))
+    moe.dense_mlp(d_x, cuda.to_device(gu), cuda.to_device(dn), h, d_x, accumulate=True, version=version,
+                  norm=(cuda.to_device(gw), 1e-6, cuda.to_device(poisoned((M, D)))))
     x64 = x.astype(np.float64)
-    xn = x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + 1e-6) * gw
-    ref = x64 + ops.mlp(xn, *(w.astype(np.float64) for w in weights))
+    ref = x64 + ops.mlp(ops.rmsnorm(x64, gw, 1e-6), *(w.astype(np.float64) for w in weights))
     assert rel_err(d_x.copy_to_host(), ref) < FP32_BOUND
 
 
