@@ -1,7 +1,7 @@
 """MoE layer, version 1 (8 launches) vs version 2 (3 launches), GPU time only, on the H200.
 
     python scripts/bench_moe.py [--presets moonlight-16b-a3b,kimi-k2] [--M 1,16,64] [--dtype bf16]
-                                [--sweep] [--parts] [--json PATH]
+                                [--sweep | --previous] [--parts] [--json PATH]
 
 Per preset and M: us per moe_forward, GB/s of the bytes that must move once (the distinct routed
 experts the M random tokens select + the shared experts + the fp32 router gate; same model as
@@ -38,9 +38,24 @@ from kdt.kernels import moe  # noqa: E402
 from kdt.kernels.bench import copy_bandwidth, moe_layer, rand, time_us  # noqa: E402
 
 
-def sweep_variants(M: int, k: int) -> list[tuple[str, moe.V2Tiles]]:
+def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tiles]]:
+    """The default launch shape with one of session 10's two changes undone (name, tiles): kernel A
+    routing all M tokens in one block; kernel C's experts per block by M alone."""
+    t = moe.v2_tiles(M, k, E, D)
+    r = dataclasses.replace
+    old = [("A_one_router", r(t, rt=False))] if M > t.tt_s else []
+    if moe._v2_tiles_by_m(M, k).jc != t.jc:
+        old.append(("C_jc_by_M", r(t, jc=moe._v2_tiles_by_m(M, k).jc)))
+    return old
+
+
+def sweep_variants(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tiles]]:
     """Version-2 launch shapes tried beside the default with --sweep (name, tiles)."""
-    t = moe.v2_tiles(M, k)
+    t = moe.v2_tiles(M, k, E, D)
+    return previous_defaults(M, k, E, D) + _other_variants(t, M)
+
+
+def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
     r = dataclasses.replace
     if M <= 1:
         return [("kernel_B_shared_last", r(t, sd_first=False)), ("rows8_words2", r(t, nr=8, u=2, nr_c=8, u_c=2)),
@@ -77,7 +92,7 @@ def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> l
     return rows
 
 
-def bench_preset(name: str, Ms: list[int], dtype: str, sweep: bool, bw: float, parts: bool = False) -> list[dict]:
+def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: float, parts: bool = False) -> list[dict]:
     """``name``: a preset, or a fixture (``*.h5``) whose MoE layer shape is timed (random weights)."""
     cfg = read_config(name) if name.endswith(".h5") else preset(name)
     wdt, wb = (np.uint16, 2) if dtype == "bf16" else (np.float32, 4)
@@ -89,7 +104,8 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: bool, bw: float, p
         b, out = rand((M, D)), cuda.device_array((M, D), np.float32)
         variants: list[tuple[str, int, moe.V2Tiles | None]] = [("v1", 1, None), ("v2", 2, None)]
         if sweep:
-            variants += [(f"v2 {n}", 2, t) for n, t in sweep_variants(M, k)]
+            variants += [(f"v2 {n}", 2, t) for n, t in
+                         (sweep_variants if sweep == "all" else previous_defaults)(M, k, E, D)]
         ref = None
         us_v1 = None
         for vname, version, tiles in variants:
@@ -108,7 +124,7 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: bool, bw: float, p
             gbs = nbytes / us * 1e-3
             row = dict(preset=name, M=M, variant=vname, us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / bw,
                        speedup_vs_v1=us_v1 / us, rel_diff_vs_v1=diff, n_active=n_active,
-                       tiles=dataclasses.asdict(tiles or moe.v2_tiles(M, k)) if version == 2 else None)
+                       tiles=dataclasses.asdict(tiles or moe.v2_tiles(M, k, E, D)) if version == 2 else None)
             rows.append(row)
             print(f"{name:18s} {M:3d} {vname:16s} {us:8.1f} {gbs:7.0f} {row['pct_copy']:6.0f}% "
                   f"{us_v1 / us:5.2f}x {diff:11.1e}   ({n_active} experts, first call {t_compile:.0f} s)",
@@ -123,7 +139,9 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default="moonlight-16b-a3b,kimi-k2")
     ap.add_argument("--M", default="1,16,64")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "float32"))
-    ap.add_argument("--sweep", action="store_true", help="also time version-2 launch-shape variants")
+    ap.add_argument("--sweep", action="store_const", const="all", help="also time version-2 launch-shape variants")
+    ap.add_argument("--previous", dest="sweep", action="store_const", const="previous",
+                    help="also time the previous default launch shapes (see previous_defaults)")
     ap.add_argument("--parts", action="store_true", help="also time version 2's launches as prefixes of the forward")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -371,7 +371,7 @@ def _check_v2_state(cfg, b, w, scratch, M):
     np.testing.assert_array_equal(scratch.pos_of.copy_to_host()[:M], pos_of)
     assert scratch.n_active.copy_to_host()[0] == len(active)
     np.testing.assert_array_equal(scratch.active.copy_to_host()[: len(active)], active)
-    assert scratch.counter.copy_to_host()[0] == 0 and not scratch.tickets.copy_to_host().any()
+    assert not scratch.counter.copy_to_host().any() and not scratch.tickets.copy_to_host().any()
 
 
 # simulator launch shapes beside the default one: odd tiles (1-warp blocks, 1-2 rows per warp, 3-token
@@ -386,6 +386,9 @@ V2_SIM_TILES = {
     # kernel B's shared-down blocks first in its grid
     "sdf": moe.V2Tiles(nw=2, nr=2, u=3, tt=2, tt_s=3, u_l=1, nw_c=1, nr_c=2, tt_c=3, u_c=3, jc=2, cs=False,
                        cs_s=True, sd_first=True),
+    # kernel A's last logits block routes all M tokens (no token tiles)
+    "one_router": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, cs_s=False,
+                              rt=False),
 }
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
@@ -402,6 +405,7 @@ V2_CASES = [
     (_V2_DECODE, BF16, 1, True, False, "wide"),
     (_V2_GROUPED, np.float32, 2, False, False, "wide"),
     (_V2_SKEW, np.float32, 11, True, True, "sdf"),
+    (_V2_GROUPED, BF16, 9, False, False, "one_router"),
 ]
 
 
@@ -442,6 +446,21 @@ def test_v2_tiles_and_fallback():
     big = moe.V2_MAX_PAIRS // cfg.num_experts_per_tok + 1
     scratch = moe.MoEScratch.allocate(cfg, big)
     assert moe._v2_supported(layer, scratch, big - 1) and not moe._v2_supported(layer, scratch, big)
+
+
+def test_v2_tiles_down_one_expert_rule(monkeypatch):
+    """Kernel C takes one expert per block where its grid then fits _C_ONE_WAVE blocks: model_code's MoE
+    (E = 8, D = 256, k = 2) at the DDTree step's M; no Moonlight or Kimi-K2 launch shape changes."""
+    from kdt.config import preset
+
+    monkeypatch.setattr(moe, "IS_SIM", False)  # the GPU launch shapes
+    for M in (5, 9, 17, 33, 65, 257):
+        assert moe._v2_tiles_by_m(M, 2).jc > 1 and moe.v2_tiles(M, 2, 8, 256).jc == 1, M
+    for name in ("moonlight-16b-a3b", "kimi-k2"):
+        c = preset(name)
+        for M in (1, 8, 16, 17, 64, 256):
+            k = c.num_experts_per_tok
+            assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == moe._v2_tiles_by_m(M, k), (name, M)
 
 
 def test_pack_experts_layout(rng):

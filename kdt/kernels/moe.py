@@ -33,9 +33,9 @@ The above is **version 1** (8 launches). **Version 2** (``VERSION`` / env ``KDT_
 measured faster than version 1 on the H200 at the kernel and the engine level, see ``V2_MAX_M``)
 computes the same layer in three launches:
 
-A. router logits + the shared experts' gate_up + (in the logits block that takes the last atomic
-   ticket) the routing and the grouping of the M*k pairs, so the router's serial work hides behind
-   the shared gate_up instead of costing three launches;
+A. router logits + the shared experts' gate_up + (in the logits blocks that take the last atomic
+   ticket of a token tile, then of all tiles) the routing and the grouping of the M*k pairs, so the
+   router's serial work hides behind the shared gate_up instead of costing three launches;
 B. the routed experts' gate_up (grouped: block = row tile x active-expert slot) + the shared down;
 C. the routed down: block = row tile of D x a chunk of active experts; the last block of each row tile
    (ticket) combines it, slot order, no float atomics, ``out (+)= y_shared + sum_slot w * y``.
@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numba import boolean, cuda, float32, float64, int32, int64, uint64
@@ -707,8 +707,9 @@ def moe_combine(y_sorted, pos_of, topk_w, out, accumulate: bool = True, M: int |
 
 # ---- version 2: the layer in three launches --------------------------------------------------------
 # A  route:   router logits (fp32 gate) + b permuted for B + the shared experts' gate_up (other blocks of
-#             the same launch); the logits block that finishes last (atomic ticket) routes the M tokens
-#             and groups the M*k pairs by expert (the old router + moe_group, in that one block).
+#             the same launch); per token tile, the logits block that finishes it last (atomic ticket)
+#             routes its tokens, and the one that routes the last tile groups the M*k pairs by expert
+#             (the old router + moe_group).
 # B  gate_up: routed experts' gate_up, grouped (block = row tile x active-expert slot) + the shared
 #             experts' down projection into y_shared (other blocks of the same launch).
 # C  down:    block = NR_C rows of D for *every* active expert (equal work per block), then the
@@ -904,16 +905,21 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
 _V2_CACHE: dict[tuple, object] = {}
 
 
-def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool):
+def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
+                     rt: bool = True):
     """Kernel A (see the section comment). Grid: nlb logits blocks (``_V2_NRL`` gate rows each, the
     nw warps split D), then the shared gate_up blocks (nw warps x nr_s/2 outputs each, all M tokens in
-    tiles of tt_s). The tail runs in the logits block that takes the last ticket."""
-    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s)
+    tiles of tt_s). ``rt`` (route by token tile): nlb = n_eb gate-row blocks x n_tt token tiles of
+    tt_s, each block one tile; the block that takes a tile's last ticket (counter[1 + tile]) routes the
+    tile's tokens, and the one that routes the last tile (counter[0]) groups all M k pairs. Without
+    ``rt``: nlb = n_eb blocks, each over all M tokens, and the last one routes all of them (M / 4
+    serial rounds of its 4 routing warps)."""
+    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if IS_SIM and nw > _V2_RWARPS:
         raise ValueError("simulator: every warp of the routing block must route (barrier pairing)")
-    NW, NT, EPWB, EPWS, NRS, TTS = nw, nw * WARP, epw_b, epw_s, nr_s, tt_s
+    NW, NT, EPWB, EPWS, NRS, TTS, RT = nw, nw * WARP, epw_b, epw_s, nr_s, tt_s, rt
     NRL, TTL = _V2_NRL, tt_s
     NOS = NRS // 2
     NACCL, NACCS = NRL * TTL, NRS * TTS
@@ -947,11 +953,16 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
             wbl = cuda.local.array(WBL, uint64)
             wvl = cuda.local.array(NRL, float32)
             E = gate.shape[1]
-            e0 = bid * NRL
+            n_eb = (E + NRL - 1) // NRL
+            n_tt = nlb // n_eb if RT else 1  # token tiles (rt: one per block)
+            tile = bid // n_eb if RT else 0
+            m_lo = tile * TTL if RT else 0
+            m_hi = min(M, m_lo + TTL) if RT else M
+            e0 = (bid % n_eb) * NRL
             for r in range(NRL):
                 wrl[r] = min(e0 + r, E - 1)
-            for p0 in range(0, M, TTL):
-                nt = min(TTL, M - p0)
+            for p0 in range(m_lo, m_hi, TTL):
+                nt = min(TTL, m_hi - p0)
                 for t in range(TTL):
                     xrow[t] = p0 + t if t < nt else 0
                 mm_l(gate, 0, wrl, b, xrow, warp, lane, accl, wbl, wvl)
@@ -976,11 +987,14 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                 m = i // D
                 d = i % D
                 b_perm[m, (d % EPWB) * Kwb + d // EPWB] = b[m, d]
-            # ---- ticket: the last logits block routes -------------------------------------------------
+            # ---- ticket: the last logits block of the tile (rt) or of all (not rt) routes --------------
             cuda.threadfence()
             cuda.syncthreads()
             if tid == 0:
-                flag[0] = 1 if cuda.atomic.add(counter, 0, 1) == nlb - 1 else 0
+                if RT:
+                    flag[0] = 1 if cuda.atomic.add(counter, 1 + tile, 1) == n_eb - 1 else 0
+                else:
+                    flag[0] = 1 if cuda.atomic.add(counter, 0, 1) == nlb - 1 else 0
             cuda.syncthreads()
             if flag[0] == 0:
                 return
@@ -999,11 +1013,27 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
             for i in range(tid, E_MAX, NT):
                 cnt[i] = 0
             if warp < RWP:
-                for m0 in range(0, M, RWP):
+                for m0 in range(m_lo, m_hi, RWP):
                     m = m0 + warp
-                    _v2_route_token(logits, bias, min(m, M - 1), m < M, E, n_group, topk_group, top_k, norm,
-                                    scale, sh_c, sh_s, sh_g, red_v, red_i, warp, lane, topk_idx, topk_w, sh_idx)
+                    _v2_route_token(logits, bias, min(m, m_hi - 1), m < m_hi, E, n_group, topk_group, top_k,
+                                    norm, scale, sh_c, sh_s, sh_g, red_v, red_i, warp, lane, topk_idx, topk_w,
+                                    sh_idx)
             cuda.syncthreads()
+            if RT:
+                if tid == 0:
+                    counter[1 + tile] = 0  # the tile's tickets are all taken: ready for the next launch
+                if n_tt > 1:  # ---- the block that routes the last tile groups (its sh_idx: one tile) --
+                    cuda.threadfence()
+                    cuda.syncthreads()
+                    if tid == 0:
+                        flag[0] = 1 if cuda.atomic.add(counter, 0, 1) == n_tt - 1 else 0
+                    cuda.syncthreads()
+                    if flag[0] == 0:
+                        return
+                    cuda.threadfence()
+                    for i in range(tid, P, NT):
+                        sh_idx[i] = _ldcg2(topk_idx, i // top_k, i % top_k)
+                    cuda.syncthreads()
             # ---- group the P pairs by expert (counting sort, token order within an expert) ----------
             for i in range(tid, P, NT):
                 cuda.atomic.add(cnt, sh_idx[i], 1)
@@ -1094,7 +1124,8 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                             h_shared[p0 + lane, (o % EPWS) * Kws + o // EPWS] = \
                                 g / (float32(1.0) + math.exp(-g)) * sel[NOS + r]
 
-    kern.__name__ = f"moe2_route_nw{nw}_b{epw_b}_s{epw_s}_nr{nr_s}_tt{tt_s}_u{u_s}_ul{u_l}{'_cs' if cs_s else ''}"
+    kern.__name__ = (f"moe2_route_nw{nw}_b{epw_b}_s{epw_s}_nr{nr_s}_tt{tt_s}_u{u_s}_ul{u_l}{'_cs' if cs_s else ''}"
+                     f"{'_rt' if rt else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1281,7 +1312,8 @@ class V2Tiles:
     cs: routed weights loaded with the streaming (evict-first) cache hint; cs_s: the same for the
     shared experts and the router gate, which are re-read once per token tile when M > tt_s (so
     v2_tiles sets it only when M <= tt_s); sd_first: kernel B's shared-down blocks come first in its
-    grid (they do not wait for the routing; last, they ran as a tail after the routed blocks)."""
+    grid (they do not wait for the routing; last, they ran as a tail after the routed blocks); rt: kernel
+    A's logits blocks take one token tile each and route it (see ``_v2_route_kernel``)."""
 
     nw: int = 4
     nr: int = 4
@@ -1297,9 +1329,16 @@ class V2Tiles:
     cs: bool = True
     cs_s: bool = True
     sd_first: bool = False
+    rt: bool = True
 
 
-def v2_tiles(M: int, top_k: int) -> V2Tiles:
+# Kernel C takes one active expert per block (jc = 1) while its grid stays within about one wave of
+# the H200 (132 SMs x 8 blocks of 4 warps): a block then makes one pass over its rows, not jc passes in
+# sequence (model_code at M = 17: 16 row tiles x 8 experts = 128 blocks instead of 32 blocks of 4 passes).
+_C_ONE_WAVE = 1024
+
+
+def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> V2Tiles:
     """Default launch shapes for M tokens (predictions for the H200, see ``VERSION``).
 
     M = 1: one token per expert; 4 rows x 4 words in flight per warp (16 x 8 B per lane; at ~16-20
@@ -1309,7 +1348,16 @@ def v2_tiles(M: int, top_k: int) -> V2Tiles:
     Moonlight M = 1). M <= 16: tiles of 4. Larger M: ~6 tokens per expert at Moonlight M=64, a tile
     of 8 tokens reads each routed weight row once per forward; 2 words in flight (the FMA work hides
     the latency) keep the tiles in registers (4 x 8 x 4 x 2 FMAs per unrolled step; 4 words spilled
-    the accumulators to local memory)."""
+    the accumulators to local memory). Given E and D, kernel C's jc drops to 1 where its grid then still
+    fits ``_C_ONE_WAVE`` blocks (small models)."""
+    t = _v2_tiles_by_m(M, top_k)
+    if E is not None and D is not None and t.jc > 1 and not IS_SIM:
+        if cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
+            t = replace(t, jc=1)
+    return t
+
+
+def _v2_tiles_by_m(M: int, top_k: int) -> V2Tiles:
     if IS_SIM:  # every simulated thread is a Python thread; small tiles exercise the tile loops
         return V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, cs_s=M <= 2)
     if M <= 1:
@@ -1341,7 +1389,7 @@ class V2Launch:
 
 def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     """Kernels A, B and C of launch shape t for weight words of epw elements."""
-    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s),
+    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first),
             _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs))
 
@@ -1349,11 +1397,11 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
 def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None) -> list[V2Launch]:
     """Version 2's launches for M tokens, in order (see the "version 2" section)."""
     E, k, I, D = L.E, L.top_k, L.I, L.D
-    t = tiles or v2_tiles(M, k)
+    t = tiles or v2_tiles(M, k, E, D)
     ka, kb, kc = _v2_kernels(t, L._epw)
     J = min(E, M * k)
     has_shared = L._sgu is not None
-    nlb = cdiv(E, _V2_NRL)
+    nlb = cdiv(E, _V2_NRL) * (cdiv(M, t.tt_s) if t.rt else 1)
     if has_shared:
         Is = L._sgu.shape[1] // 2
         nsg = cdiv(cdiv(Is, t.nr // 2), t.nw)
@@ -1493,7 +1541,7 @@ class MoEScratch:
     h_shared: object | None  # [M_max, I * n_shared] f32
     b_perm: object = None  # [M_max, D] f32 (version 2: b word-permuted)
     y_shared: object = None  # [M_max, D] f32 (version 2: the shared experts' output)
-    counter: object = None  # [1] int32, zero between launches (version 2: tickets of the logits blocks)
+    counter: object = None  # [1 + M_max] int32, zero between launches (version 2: kernel A's tickets)
     tickets: object = None  # [D] int32, zero between launches (version 2: tickets per row tile of D)
 
     @classmethod
@@ -1512,7 +1560,7 @@ class MoEScratch:
                    pos_of=i32(M_max, k), active=i32(E), n_active=i32(1), h=f32(P, I), y=f32(P, D),
                    h_shared=f32(M_max, I * cfg.n_shared_experts) if cfg.n_shared_experts else None,
                    b_perm=f32(M_max, D), y_shared=f32(M_max, D),
-                   counter=cuda.to_device(np.zeros(1, dtype=np.int32), stream=stream),
+                   counter=cuda.to_device(np.zeros(1 + M_max, dtype=np.int32), stream=stream),
                    tickets=cuda.to_device(np.zeros(D, dtype=np.int32), stream=stream))
 
 
@@ -1596,8 +1644,8 @@ def _register() -> None:
     sig_c = (f2, u3, f2, i1, i1, i1, i1, i2, f2, f2, f2, i1, int64, int64, int64, boolean, boolean)
     seen: set[int] = set()
     for epw in (2, 4):
-        for M in (1, 4, 8, 16, 64):
-            t = v2_tiles(M, 8)
+        for M in (1, 4, 8, 16, 64, -64):  # -64: M = 64 with the routing in one block (rt off)
+            t = v2_tiles(M, 8) if M > 0 else replace(v2_tiles(-M, 8), rt=False)
             for kern, sig in zip(_v2_kernels(t, epw), (sig_a, sig_b, sig_c), strict=True):
                 if id(kern) not in seen:  # the factories cache: one object per launch shape
                     seen.add(id(kern))
