@@ -10,6 +10,7 @@ unrounded float32 weights (bf16 rounding: ~3e-3 relative per weight).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,6 +159,22 @@ def test_linear_norm_sim(rng, monkeypatch, fused, M, N, K, wdtype, accumulate, t
 
 
 @pytest.mark.kernels
+def test_linear_norm_fuses_small_weights_only(monkeypatch):
+    """The norm folds into linear_v2 for every projection of fixtures/model_code.h5 (target and drafter, at
+    most 1 M weight words) and for none of Moonlight's or Kimi-K2's (there it would re-read x per block)."""
+    from kdt.config import preset
+    from kdt.fixture import read_config
+
+    monkeypatch.setattr(lin, "FUSE_NORM", True)
+    code = read_config(str(Path(__file__).resolve().parent.parent / "fixtures" / "model_code.h5"))
+    assert all(lin.fuses_norm(N, K // 2) for _, N, K in code.dense_projections())
+    assert lin.fuses_norm(2048, 256) and lin.fuses_norm(256, 1024)  # the drafter's float32 gate_up / down
+    for name in ("moonlight-16b-a3b", "kimi-k2"):
+        assert not any(lin.fuses_norm(N, K // 2) for _, N, K in preset(name).dense_projections()), name
+    monkeypatch.setattr(lin, "FUSE_NORM", False)
+    assert not lin.fuses_norm(4, 4)
+
+
 def test_linear_norm_rejects_bad_weights():
     x, y = cuda.to_device(np.zeros((2, 8), np.float32)), cuda.to_device(np.zeros((2, 4), np.float32))
     W = cuda.to_device(np.zeros((4, 8), np.float32))

@@ -119,14 +119,20 @@ V2_MAX_SPLITS = 32
 # and Kimi-K2 projections are too large for two token tiles: their plans do not change.
 V2_SHRINK_TM = os.environ.get("KDT_LINEAR_V2_SHRINK_TM", "1") == "1"
 V2_SHRINK_WORDS = 3 << 20
-# RMSNorm folded into linear_v2's staging of x (``linear(..., norm=...)``; env KDT_LINEAR_FUSE_NORM=1). Off by
-# default: NOT YET MEASURED (session 9 wrote it after its device time was spent). Of the learned budget-16 step's
-# 119 launches, 24 are rmsnorm (1.7-2 us each plus ~1.3 us of gap); the engine passes 13 of them (each layer's
-# input norm, the dense layers' post-attention norm, the final norms) through ``norm``. Each fused launch first
-# sums the squares of its token rows (one more pass over x, from L2). Prediction: the learned step ~5-8%
-# faster (13 launches fewer), the AR step ~10% (6 of its 65 launches); Moonlight unchanged within noise.
-# To measure: the drafter table and both benches with the variable 0 and 1 on one machine.
-FUSE_NORM = os.environ.get("KDT_LINEAR_FUSE_NORM", "0") == "1"
+# RMSNorm folded into linear_v2's staging of x (``linear(..., norm=...)``; env KDT_LINEAR_FUSE_NORM, "0" turns it
+# off). Of the learned budget-16 step's 119 launches, 24 are rmsnorm (1.7-2 us each plus ~1.3 us of gap); the
+# engine passes 13 of them (each layer's input norm, the dense layers' post-attention norm, the final norms)
+# through ``norm``. Each fused launch first sums the squares of its token rows (one more pass over x, from L2).
+# Predicted: the learned step ~5-8% faster, the AR step ~10%. Measured (H200, session 10, the drafter table on
+# and off back to back on one machine, docs/perf/drafter-2026-11-30-model_code-cuda-{fused,unfused}-norm.json):
+# AR 4873 -> 5099 tok/s (+4.6%), learned chain 9915 -> 10102 (+1.9%), budget 16 / 64 / 256 within 0.7%; kdt
+# verify 15/15 (model_code bf16) and 12/12 (tiny fp32) with it on. Smaller than predicted: the squares pass
+# costs part of what the launch saved. On by default, for small weights only (``fuses_norm``): every block
+# of a fused launch first reads its token rows of x once more for the squares, which costs nothing where the
+# launch itself is the cost (a small matrix) but doubles the x traffic of a large one at large M (Moonlight
+# with the norm fused everywhere, session 10: verify n = 16 / 64 / 256 at L = 512 3.5 / 4.9 / 6.7% slower
+# than session 9, prefill 4-7%, AR unchanged; not an A/B on one machine, so the rule is the conservative one).
+FUSE_NORM = os.environ.get("KDT_LINEAR_FUSE_NORM", "1") == "1"
 
 
 def _skinny_config(M: int, N: int) -> tuple[int, int, int]:
@@ -674,15 +680,15 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None) -> None:
     Launches on ``stream`` and returns without synchronising. Runs :func:`linear_v2` for
     ``V2_MIN_M <= M <= V2_MAX_M`` when ``VERSION == "2"``, else :func:`linear_v1`.
 
-    ``norm = (gw, eps, a)``: y = rmsnorm(x; gw[K] float32, eps) @ W^T. With ``FUSE_NORM`` and the v2 kernel
-    the normalisation happens as x is staged (one launch); else :func:`kdt.kernels.elementwise.rmsnorm`
-    writes a[M, K] first (two launches).
+    ``norm = (gw, eps, a)``: y = rmsnorm(x; gw[K] float32, eps) @ W^T. With the v2 kernel and a small W
+    (:func:`fuses_norm`) the normalisation happens as x is staged (one launch); else
+    :func:`kdt.kernels.elementwise.rmsnorm` writes a[M, K] first (two launches).
     """
     M = x.shape[0]
     v2 = VERSION == "2" and V2_MIN_M <= M <= V2_MAX_M
     if norm is not None:
         gw, eps, a = norm
-        if v2 and FUSE_NORM and _v2_reads(W):
+        if v2 and fuses_norm(*W.shape) and _v2_reads(W):
             return linear_v2(x, W, y, accumulate, stream, norm=(gw, eps))
         ew.rmsnorm(x, gw, eps, a, stream=stream)
         x = a
@@ -690,6 +696,12 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None) -> None:
         linear_v2(x, W, y, accumulate, stream)
     else:
         linear_v1(x, W, y, accumulate, stream)
+
+
+def fuses_norm(N: int, Kw: int) -> bool:
+    """``linear(..., norm=...)`` folds the norm into linear_v2 for a weight [N, Kw words]: FUSE_NORM and a
+    small matrix (at most half the small-weight rule's V2_SHRINK_WORDS: 6 MB; see FUSE_NORM)."""
+    return FUSE_NORM and 2 * N * Kw <= V2_SHRINK_WORDS
 
 
 def _v2_reads(W) -> bool:
