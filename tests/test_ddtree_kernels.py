@@ -313,7 +313,8 @@ def check_topk(rng, D: int, V: int, K: int, ties: bool) -> None:
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("D, V, K", [(1, 5, 5), (3, 37, 8), (2, 64, 1)])
+@pytest.mark.parametrize("D, V, K", [(1, 5, 5), (3, 37, 8), (2, 64, 1), (2, 100, 10)])  # V = 100: rows longer
+# than the block (64 threads in the simulator) take the shared-memory sort; the others one element a thread
 def test_draft_topk(rng, D, V, K):
     for ties in (False, True):
         check_topk(rng, D, V, K, ties)

@@ -443,25 +443,59 @@ def _ranks_before(va, ia, vb, ib):
     return va > vb or (va == vb and ia < ib)
 
 
-@cuda.jit
-def draft_topk(logits, out_tok, out_logp):
-    """logits[D, V] f32 (V <= TOPK_MAX_V) -> per row d the K = out_tok.shape[2] most likely tokens,
-    out_tok[0, d, :K] (int64, descending, ties to the smaller token id: the order of a stable argsort)
-    and their log-probabilities out_logp[0, d, :K] = logit - logsumexp(row) (float32).
+if IS_SIM:
 
-    grid = D blocks (one per row); a bitonic sort of the row (padded to a power of two with -inf) in
-    shared memory, then a block reduction of sum(exp(v - max)) (the maximum is the sorted row's head)."""
-    sv = cuda.shared.array(TOPK_MAX_V, float32)
-    si = cuda.shared.array(TOPK_MAX_V, int32)
-    red = cuda.shared.array(_TOPK_NT, float32)
-    d = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    V = logits.shape[1]
-    K = out_tok.shape[2]
-    P = 1
-    while P < V:
-        P *= 2
+    @cuda.jit(device=True)
+    def _partner(sv, si, tid, v, idx, j):
+        """(v, idx) of thread tid ^ j (simulator: through shared memory; every thread calls it)."""
+        cuda.syncthreads()
+        sv[tid] = v
+        si[tid] = idx
+        cuda.syncthreads()
+        return sv[tid ^ j], si[tid ^ j]
+
+else:
+
+    @cuda.jit(device=True, inline="always")
+    def _partner(sv, si, tid, v, idx, j):
+        """(v, idx) of thread tid ^ j: a shuffle within the warp (j < 32), else through shared memory
+        (j is the same for the whole block: every thread takes the same branch)."""
+        if j < WARP:
+            return cuda.shfl_xor_sync(0xFFFFFFFF, v, j), cuda.shfl_xor_sync(0xFFFFFFFF, idx, j)
+        cuda.syncthreads()
+        sv[tid] = v
+        si[tid] = idx
+        cuda.syncthreads()
+        return sv[tid ^ j], si[tid ^ j]
+
+
+@cuda.jit(device=True, inline="always")
+def _bitonic_by_thread(logits, d, V, P, sv, si, tid):
+    """Row d of logits sorted into sv / si[:P] (P <= threads: thread i holds element i; threads >= P
+    sort a row of padding among themselves, partners tid ^ j stay on their side of P)."""
+    v = logits[d, tid] if tid < V else float32(-np.inf)
+    idx = int32(tid)
+    k = 2
+    while k <= P:
+        j = k // 2
+        while j > 0:
+            pv, pi = _partner(sv, si, tid, v, idx, j)
+            # the lower index of the pair keeps the element that sorts first when its k-run ascends
+            want_first = ((tid & k) == 0) == ((tid & j) == 0)
+            if _ranks_before(pv, pi, v, idx) == want_first:
+                v = pv
+                idx = pi
+            j //= 2
+        k *= 2
+    cuda.syncthreads()
+    sv[tid] = v
+    si[tid] = idx
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True, inline="always")
+def _bitonic_shared(logits, d, V, P, sv, si, tid, nt):
+    """Row d of logits sorted into sv / si[:P] in shared memory, the threads striding over it."""
     for i in range(tid, P, nt):
         sv[i] = logits[d, i] if i < V else float32(-np.inf)
         si[i] = i
@@ -484,6 +518,34 @@ def draft_topk(logits, out_tok, out_logp):
             cuda.syncthreads()
             j //= 2
         k *= 2
+
+
+@cuda.jit
+def draft_topk(logits, out_tok, out_logp):
+    """logits[D, V] f32 (V <= TOPK_MAX_V) -> per row d the K = out_tok.shape[2] most likely tokens,
+    out_tok[0, d, :K] (int64, descending, ties to the smaller token id: the order of a stable argsort)
+    and their log-probabilities out_logp[0, d, :K] = logit - logsumexp(row) (float32).
+
+    grid = D blocks (one per row); a bitonic sort of the row (padded to a power of two P with -inf),
+    then a block reduction of sum(exp(v - max)) (the maximum is the sorted row's head). P <= threads
+    (e.g. V = 256): one element per thread, the compare-exchange stages with partners less than a warp
+    apart through shuffles (30 of V = 256's 36 stages) and only the others through shared memory;
+    larger rows: every stage in shared memory, the threads striding over the row."""
+    sv = cuda.shared.array(TOPK_MAX_V, float32)
+    si = cuda.shared.array(TOPK_MAX_V, int32)
+    red = cuda.shared.array(_TOPK_NT, float32)
+    d = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    K = out_tok.shape[2]
+    P = 1
+    while P < V:
+        P *= 2
+    if P <= nt:
+        _bitonic_by_thread(logits, d, V, P, sv, si, tid)
+    else:
+        _bitonic_shared(logits, d, V, P, sv, si, tid, nt)
     top = sv[0]
     acc = float32(0.0)
     for i in range(tid, V, nt):
