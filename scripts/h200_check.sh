@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -305,18 +305,54 @@ drafter9)  # session 9's last call: kdt verify of model_code, then the drafter t
   step verify_code_cuda 150 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
   step drafter_cuda 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-s9-final.json" ;;
-norm-ab)  # next: KDT_LINEAR_FUSE_NORM (session 9, unmeasured): kdt verify with it on (correctness: the tiny and the
-  # learned model on CUDA), then the drafter table off / on back to back (each compiles everything: the
-  # variable is part of the kernel-cache key)
+norm-ab)  # KDT_LINEAR_FUSE_NORM (session 9, unmeasured): kdt verify of the learned model with it on, the drafter
+  # table on / off back to back (each compiles everything: the variable is part of the kernel-cache key), then
+  # the tiny fixture fp32 with it on and the norm tests on the GPU
   export KDT_LINEAR_FUSE_NORM=1
   step verify_code_fused 150 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
-  step verify_tiny_fused 120 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
-  step drafter_fused 120 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+  step drafter_fused 100 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-fused-norm.json"
   export KDT_LINEAR_FUSE_NORM=0
-  step drafter_unfused 180 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
-    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-unfused-norm.json" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab"; exit 2 ;;
+  step drafter_unfused 170 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-unfused-norm.json"
+  export KDT_LINEAR_FUSE_NORM=1
+  step verify_tiny_fused 90 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step pytest_norm 90 python3 -m pytest -q tests/test_kernels_linear.py tests/test_kernels_moe.py \
+    tests/test_engine_cuda.py -k "norm or draft_model or prefill_chunks" -p no:cacheprovider ;;
+moe10)  # session 10: kernel A routing by token tile, kernel C one expert per block on small models: the MoE
+  # layer A/B (each change undone alone) at model_code's and Moonlight's shapes, then verify, the drafter table
+  # and the learned step's kernel profile
+  step bench_moe 240 python3 scripts/bench_moe.py --presets fixtures/model_code.h5,moonlight-16b-a3b --M 1,17,65 \
+    --previous --json "$OUT/moe-$day-route-tiles.json"
+  step verify_code_cuda 150 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step drafter_cuda 100 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-s10-moe.json"
+  step profile_kernels 100 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-code-s10.json" ;;
+final10)  # session 10's last checks: gpu tests beside kdt verify, then the drafter table, the learned step's kernel
+  # profile and the tiny bench, each alone
+  ( timeout ${TEST_TIMEOUT:-320} python3 -m pytest -q -m gpu tests/test_engine_cuda.py tests/test_convert.py \
+      -p no:cacheprovider --durations=5 > "$OUT/pytest_engine.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_engine.log" ) &
+  ( timeout ${TEST_TIMEOUT:-320} python3 -m pytest -q -m gpu tests/test_ddtree_kernels.py tests/test_kernels_moe.py \
+      tests/test_kernels_linear.py -p no:cacheprovider --durations=5 > "$OUT/pytest_kernels.log" 2>&1; \
+      echo "rc=$?" >> "$OUT/pytest_kernels.log" ) &
+  step verify_cuda_fp32 200 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 150 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  summary+=("pytest_engine: $(tail -n 2 "$OUT/pytest_engine.log" | tr '\n' ' ')")
+  summary+=("pytest_kernels: $(tail -n 2 "$OUT/pytest_kernels.log" | tr '\n' ' ')")
+  step drafter_cuda 100 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-s10.json"
+  step profile_kernels 60 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-code-s10-final.json"
+  step bench_tiny 150 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s10.json" ;;
+moon10)  # session 10: the Moonlight bench (as run, it first timed a warp-search tree_build against the heap with a
+  # session-local script; the warp search lost and was not kept, see docs/PERF.md)
+  step bench_moonlight 400 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s10.json" ;;
+norm-moon10)  # session 10: Moonlight verify with the norm fused everywhere vs the small-weight rule, one machine
+  step ab_all 200 python3 scripts/ab_fused_norm.py all
+  step ab_rule 110 python3 scripts/ab_fused_norm.py rule ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
