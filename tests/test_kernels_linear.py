@@ -158,7 +158,6 @@ def test_linear_norm_sim(rng, monkeypatch, fused, M, N, K, wdtype, accumulate, t
     np.testing.assert_array_equal(d_x.copy_to_host(), x)
 
 
-@pytest.mark.kernels
 def test_linear_norm_fuses_small_weights_only(monkeypatch):
     """The norm folds into linear_v2 for every projection of fixtures/model_code.h5 (target and drafter, at
     most 1 M weight words) and for none of Moonlight's or Kimi-K2's (there it would re-read x per block)."""
@@ -175,6 +174,7 @@ def test_linear_norm_fuses_small_weights_only(monkeypatch):
     assert not lin.fuses_norm(4, 4)
 
 
+@pytest.mark.kernels
 def test_linear_norm_rejects_bad_weights():
     x, y = cuda.to_device(np.zeros((2, 8), np.float32)), cuda.to_device(np.zeros((2, 4), np.float32))
     W = cuda.to_device(np.zeros((4, 8), np.float32))

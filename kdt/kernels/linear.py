@@ -129,9 +129,9 @@ V2_SHRINK_WORDS = 3 << 20
 # verify 15/15 (model_code bf16) and 12/12 (tiny fp32) with it on. Smaller than predicted: the squares pass
 # costs part of what the launch saved. On by default, for small weights only (``fuses_norm``): every block
 # of a fused launch first reads its token rows of x once more for the squares, which costs nothing where the
-# launch itself is the cost (a small matrix) but doubles the x traffic of a large one at large M (Moonlight
-# with the norm fused everywhere, session 10: verify n = 16 / 64 / 256 at L = 512 3.5 / 4.9 / 6.7% slower
-# than session 9, prefill 4-7%, AR unchanged; not an A/B on one machine, so the rule is the conservative one).
+# launch itself is the cost (a small matrix) but doubles the x traffic of a large one at large M. Moonlight,
+# scripts/ab_fused_norm.py all / rule, one machine, twice each: verify n = 16 / 64 / 256 at L = 512 fused
+# everywhere 14.45 / 41.22 / 132.3 ms, by the rule (none of its projections) 13.65 / 39.10 / 124.5 ms.
 FUSE_NORM = os.environ.get("KDT_LINEAR_FUSE_NORM", "1") == "1"
 
 
