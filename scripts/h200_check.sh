@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -352,7 +352,18 @@ moon10)  # session 10: the Moonlight bench (as run, it first timed a warp-search
 norm-moon10)  # session 10: Moonlight verify with the norm fused everywhere vs the small-weight rule, one machine
   step ab_all 200 python3 scripts/ab_fused_norm.py all
   step ab_rule 110 python3 scripts/ab_fused_norm.py rule ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10"; exit 2 ;;
+kv-ab)  # next: KDT_MLA_FUSE_KV (session 10, unmeasured): its gpu test, kdt verify with it on, then the drafter table
+  # on / off back to back (each compiles everything: the variable is part of the kernel-cache key)
+  export KDT_MLA_FUSE_KV=1
+  step pytest_fused_kv 120 python3 -m pytest -q -m gpu tests/test_kernels_mla.py -k latent_write_and_absorb \
+    -p no:cacheprovider
+  step verify_code_kv 150 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step drafter_kv 100 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-fused-kv.json"
+  export KDT_MLA_FUSE_KV=0
+  step drafter_no_kv 170 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-unfused-kv.json" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

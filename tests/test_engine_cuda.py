@@ -44,21 +44,24 @@ def cuda_model(cfg, w, dtype="float32", max_len=40, max_tokens=8):
 
 
 @pytest.fixture
-def fuse_norm(request, monkeypatch):
-    """KDT_LINEAR_FUSE_NORM for one test (param True: RMSNorm folded into linear_v2's staging of x)."""
+def fused(request, monkeypatch):
+    """The optional fused launches for one test, all on (param True) or off: KDT_LINEAR_FUSE_NORM (RMSNorm folded
+    into linear_v2's staging of x) and KDT_MLA_FUSE_KV (the latent write in q_absorb's launch)."""
     from kdt.kernels import linear as lin
+    from kdt.kernels import mla
 
     monkeypatch.setattr(lin, "FUSE_NORM", request.param)
+    monkeypatch.setattr(mla, "FUSE_KV", request.param)
     return request.param
 
 
 @sim_only
-@pytest.mark.parametrize("dtype, fuse_norm", [("float32", False), ("bf16", False), ("float32", True)],
-                         indirect=["fuse_norm"])
-def test_forward_prefill_chunks_and_tree_verify_match_reference(dtype, fuse_norm, rng):
-    """Chunked prefill, a tree verify, compaction and an AR step against the reference; also with the
-    norms fused into linear_v2 (``KDT_LINEAR_FUSE_NORM``: each layer's input norm, the dense layer's
-    post-attention norm, the final norm)."""
+@pytest.mark.parametrize("dtype, fused", [("float32", False), ("bf16", False), ("float32", True)],
+                         indirect=["fused"])
+def test_forward_prefill_chunks_and_tree_verify_match_reference(dtype, fused, rng):
+    """Chunked prefill, a tree verify, compaction and an AR step against the reference; with every norm
+    unfused, and with the optional fused launches all on (``fused``: each layer's input norm, the dense layer's
+    post-attention norm and the final norm in linear_v2; the latent write in q_absorb's launch)."""
     w = random_weights(MICRO, int(rng.integers(1 << 30)))  # bf16-exact weights: both dtypes use them as is
     P = 11  # > max_tokens: prefill runs in two chunks
     prompt = rng.integers(0, MICRO.vocab_size, P)
@@ -209,8 +212,8 @@ def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers:
 
 
 @sim_only
-@pytest.mark.parametrize("fuse_norm", [False, True], indirect=True)
-def test_cuda_draft_model_matches_reference(fuse_norm, rng):
+@pytest.mark.parametrize("fused", [False, True], indirect=True)
+def test_cuda_draft_model_matches_reference(fused, rng):
     check_draft_model(MICRO, rng, n_ctx=7, max_tokens=4, block=3, layers=1)
 
 

@@ -245,6 +245,35 @@ def test_q_absorb(rng, M, wdtype, version):
     check_q_absorb(rng, micro_cfg(), M, wdtype, interleave=(M == 1), version=version)
 
 
+def check_latent_write_and_absorb(rng, cfg, M, wdtype):
+    """The fused launch (KDT_MLA_FUSE_KV) writes exactly what kv_latent_write and q_absorb (v2) write apart,
+    both tested against the reference above: q and c column slices of one stacked projection as in the
+    engine, outputs poisoned, cache slots outside [L, L + M) left alone."""
+    H, dn, dr, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    Nq, L, max_len = H * (dn + dr), 5, 5 + M + 3
+    positions = (L + rng.integers(0, M + 1, size=M)).astype(np.int64)
+    cos_d, sin_d = (cuda.to_device(t) for t in mla.rope_tables(cfg, max_len))
+    kv_b_d, _, _ = weights(rng, cfg, wdtype, 0.1)
+    qkv = cuda.to_device(rng.standard_normal((M, Nq + Rkv + dr)).astype(np.float32))
+    gw = cuda.to_device((1.0 + 0.1 * rng.standard_normal(Rkv)).astype(np.float32))
+    pos_d, L_d = cuda.to_device(positions), cuda.to_device(np.array([L], np.int64))
+    got = []
+    for fuse in (False, True):
+        out = [cuda.to_device(poisoned(sh)) for sh in ((M, H, Rkv), (M, H, dr), (max_len, Rkv), (max_len, dr))]
+        mla.latent_write_and_absorb(qkv[:, Nq:], gw, cfg.rms_norm_eps, L_d, out[2], out[3], qkv[:, :Nq], kv_b_d,
+                                    pos_d, cos_d, sin_d, cfg.rope_interleave, out[0], out[1], fuse=fuse)
+        got.append([o.copy_to_host() for o in out])
+    assert not np.isnan(got[0][0]).any() and not np.isnan(got[0][2][L:L + M]).any()
+    for sep, fused in zip(*got, strict=True):
+        np.testing.assert_array_equal(fused, sep)  # NaN (never written) where the separate launches left NaN
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M, wdtype", [(1, "f32"), (5, "bf16"), (17, "f32")])  # 17: three latent-write slices
+def test_latent_write_and_absorb_fused(rng, M, wdtype):
+    check_latent_write_and_absorb(rng, micro_cfg(), M, wdtype)
+
+
 # ---- 4. uv_project ----------------------------------------------------------------------------------
 def check_uv_project(rng, cfg, M, wdtype, version=None):
     H, dv, Rkv = cfg.num_attention_heads, cfg.v_head_dim, cfg.kv_lora_rank
@@ -440,6 +469,12 @@ def test_mla_attention_gpu_v2_engine_splits(rng, H, L, M):
     check_attention(rng, cfg, L, M, n_splits=S, version=2, device_L=True)
     for pf in (0, 1):
         check_attention(rng, cfg, L, M, n_splits=S, device_L=True, params=mla._attn2_params(H, 512, 64) + (pf,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H, M, wdtype", [(16, 1, "bf16"), (16, 17, "bf16"), (4, 17, "f32"), (64, 65, "bf16")])
+def test_latent_write_and_absorb_fused_gpu(rng, H, M, wdtype):
+    check_latent_write_and_absorb(rng, real_cfg(H), M, wdtype)
 
 
 @pytest.mark.gpu

@@ -322,10 +322,9 @@ class DecoderStack:
                 linear(b.qa[:M], lw.q_b_proj, q, stream=s)
             else:
                 q = qkv[:, : b.Nq]
-            mla.kv_latent_write(qkv[:, b.Nq:], lw.kv_a_layernorm, eps, positions, self.cos_tab, self.sin_tab, b.L,
-                                self.c_kv[i], self.k_pe[i], cfg.rope_interleave, stream=s)
-            mla.q_absorb(q, lw.kv_b_proj, positions, self.cos_tab, self.sin_tab, cfg.rope_interleave,
-                         b.q_abs[:M], b.q_pe[:M], stream=s)
+            mla.latent_write_and_absorb(qkv[:, b.Nq:], lw.kv_a_layernorm, eps, b.L, self.c_kv[i], self.k_pe[i], q,
+                                        lw.kv_b_proj, positions, self.cos_tab, self.sin_tab, cfg.rope_interleave,
+                                        b.q_abs[:M], b.q_pe[:M], stream=s)
             mla.mla_attention(b.q_abs[:M], b.q_pe[:M], self.c_kv[i], self.k_pe[i], b.L, vis, cfg.softmax_scale,
                               b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s)
             mla.uv_project(b.o_lat[:M], lw.kv_b_proj, b.o[:M], stream=s)

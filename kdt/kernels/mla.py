@@ -6,6 +6,7 @@ For M query tokens of one layer against that layer's latent cache ``c_kv_cache[m
 1. :func:`kv_latent_write`  c[M, Rkv+dr] -> c_kv_cache[L+m] = rmsnorm(c[m, :Rkv]),
                             k_pe_cache[L+m] = rope(c[m, Rkv:]).
 2. :func:`q_absorb`         q[M, H*(dn+dr)] -> q_abs[M, H, Rkv] = q_nope @ W_uk[h], q_pe[M, H, dr] = rope.
+   (:func:`latent_write_and_absorb`: 1 and 2, in one launch with ``FUSE_KV``.)
 3. :func:`mla_attention`    (q_abs, q_pe) x cache slots [0, L+M) -> o_lat[M, H, Rkv]; fp32 online softmax,
                             flash-decoding splits + :func:`mla_combine` for long prefixes.
 4. :func:`uv_project`       o_lat[M, H, Rkv] -> o[M, H*dv] = W_uv[h] @ o_lat[m, h].
@@ -123,20 +124,17 @@ _KV_NT = 8 if IS_SIM else 128  # threads per block (power of two: tree reduction
 
 
 @functools.cache
-def _kv_latent_write_kernel(norm_dtype: str, NT: int = _KV_NT):
+def _kv_write_token(norm_dtype: str, NT: int):
+    """Device function ``kv_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache,
+    k_pe_cache, interleave, m, tid, red)``: token m's latent into cache slot L + m, by the NT threads of a
+    block (NT a power of two, red a shared float32[NT]; every thread of the block calls it)."""
     load = weight_loader(np.dtype(norm_dtype))
 
-    @cuda.jit
-    def kv_latent_write_kernel(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache,
-                               k_pe_cache, interleave):
-        """c[M, Rkv+dr] f32, kv_a_layernorm[Rkv] (f32|bf16), positions[M] i64, cos/sin_tab[P, dr/2],
-        L_dev[1] i64 -> c_kv_cache[L+m, :Rkv] = rmsnorm(c[m, :Rkv]), k_pe_cache[L+m, :dr] = rope(c[m, Rkv:]).
-        Grid (M,), block (NT,)."""
-        m = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
+    @cuda.jit(device=True, inline=True)
+    def kv_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache, k_pe_cache, interleave,
+                 m, tid, red):
         Rkv = c_kv_cache.shape[1]
         dr = k_pe_cache.shape[1]
-        red = cuda.shared.array(NT, float32)
         ss = float32(0)
         for r in range(tid, Rkv, NT):
             x = c[m, r]
@@ -150,6 +148,23 @@ def _kv_latent_write_kernel(norm_dtype: str, NT: int = _KV_NT):
         half = dr // 2
         for j in range(tid, dr, NT):
             k_pe_cache[slot, j] = _rope_elem(c, m, Rkv, j, half, interleave, cos_tab, sin_tab, pos)
+
+    return kv_write
+
+
+@functools.cache
+def _kv_latent_write_kernel(norm_dtype: str, NT: int = _KV_NT):
+    kv_write = _kv_write_token(norm_dtype, NT)
+
+    @cuda.jit
+    def kv_latent_write_kernel(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache,
+                               k_pe_cache, interleave):
+        """c[M, Rkv+dr] f32, kv_a_layernorm[Rkv] (f32|bf16), positions[M] i64, cos/sin_tab[P, dr/2],
+        L_dev[1] i64 -> c_kv_cache[L+m, :Rkv] = rmsnorm(c[m, :Rkv]), k_pe_cache[L+m, :dr] = rope(c[m, Rkv:]).
+        Grid (M,), block (NT,)."""
+        red = cuda.shared.array(NT, float32)
+        kv_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache, k_pe_cache, interleave,
+                 cuda.blockIdx.x, cuda.threadIdx.x, red)
 
     return kv_latent_write_kernel
 
@@ -1219,20 +1234,34 @@ def _q_absorb2_params(M: int, dn: int) -> tuple[int, int, int]:
     return TM, 32, NWD
 
 
-def _q_absorb2_source(TM: int, DPW: int, NWD: int) -> str:
+def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False) -> str:
     s = Src()
-    with s.block("def q_absorb2_kernel(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe):"):
+    kv_args = ", c, kv_a_layernorm, eps, L_dev, c_kv_cache, k_pe_cache" if KV else ""
+    with s.block(f"def q_absorb2_kernel(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe{kv_args}):"):
         s('"""q[M, H*(dn+dr)] f32, kv_b[H*(dn+dv), Rkv] f32|bf16 -> q_abs[M, H, Rkv] = q_nope @ W_uk[h],')
         s("q_pe[M, H, dr] = rope(q[.., dn:]). Grid (cdiv(Rkv, G), H, cdiv(M, TM)), block (NWD*G,): warp w")
         s("sums d in [w*DPW, (w+1)*DPW) for latent column cb*G + lane (its DPW weight loads issued before")
-        s('any is used); the NWD warp partials are summed in shared memory."""')
+        s("any is used); the NWD warp partials are summed in shared memory.")
+        if KV:
+            s("With the latent write (kv_latent_write's arguments after q_pe): grid z has cdiv(M, gx * gy)")
+            s("more slices, whose blocks each write one token's latent into the cache.")
+        s('"""')
+        s("tid = cuda.threadIdx.x")
+        s("M = q.shape[0]")
+        if KV:
+            s("nqz = (M + TM - 1) // TM")
+            with s.block("if cuda.blockIdx.z >= nqz:  # a latent-write block (one token)"):
+                s("m = ((cuda.blockIdx.z - nqz) * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x")
+                with s.block("if m < M:"):
+                    s("redkv = cuda.shared.array(NT, float32)")
+                    s("kv_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache, k_pe_cache,")
+                    s("         interleave, m, tid, redkv)")
+                s("return")
         s("cb = cuda.blockIdx.x")
         s("h = cuda.blockIdx.y")
         s("m0 = cuda.blockIdx.z * TM")
-        s("tid = cuda.threadIdx.x")
         s("w = tid // G")
         s("j = tid - w * G")
-        s("M = q.shape[0]")
         s("H = q_abs.shape[1]")
         s("Rkv = q_abs.shape[2]")
         s("dr = q_pe.shape[2]")
@@ -1276,7 +1305,9 @@ def _q_absorb2_source(TM: int, DPW: int, NWD: int) -> str:
 
 
 @functools.cache
-def _q_absorb2_kernel(wdtype: str, dn: int, TM: int, G: int, NWD: int):
+def _q_absorb2_kernel(wdtype: str, dn: int, TM: int, G: int, NWD: int, kv_norm_dtype: str | None = None):
+    """The v2 q_absorb kernel; with ``kv_norm_dtype`` (the kv_a_layernorm weight's dtype) it also writes
+    the latents (see :func:`latent_write_and_absorb`)."""
     if dn % NWD:
         raise ValueError(f"q_absorb v2: dn={dn} not a multiple of {NWD} warps")
     DPW = dn // NWD
@@ -1284,19 +1315,52 @@ def _q_absorb2_kernel(wdtype: str, dn: int, TM: int, G: int, NWD: int):
     ns = dict(cuda=cuda, float32=float32, uint64=uint64, load=weight_loader(np.dtype(wdtype)),
               rope_elem=_rope_elem, TM=TM, G=G, NT=NT, DN=dn, DPW=DPW, SQ_SHAPE=(TM, dn), RED_SHAPE=(NWD, TM, G))
     ns.update({f"U{i}": np.uint64(i) for i in range(DPW)})
-    k = jit_source(_q_absorb2_source(TM, DPW, NWD), "q_absorb2_kernel", ns, __name__)
+    kv = kv_norm_dtype is not None
+    if kv:
+        ns["kv_write"] = _kv_write_token(kv_norm_dtype, NT)
+    k = jit_source(_q_absorb2_source(TM, DPW, NWD, kv), "q_absorb2_kernel", ns, __name__)
     k.threads = NT
     return k
 
 
-def _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=0) -> None:
+def _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=0, kv=None) -> None:
+    """``kv`` = (c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache): kv_latent_write in the same launch."""
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     dn = q.shape[1] // H - dr
     TM, G, NWD = _q_absorb2_params(M, dn)
-    k = _q_absorb2_kernel(np.dtype(kv_b.dtype).name, dn, TM, G, NWD)
-    k[(cdiv(Rkv, G), H, cdiv(M, TM)), k.threads, stream](q, kv_b, positions, cos_tab, sin_tab,
-                                                         np.int32(1 if interleave else 0), q_abs, q_pe)
+    gx, nqz = cdiv(Rkv, G), cdiv(M, TM)
+    il = np.int32(1 if interleave else 0)
+    if kv is None:
+        k = _q_absorb2_kernel(np.dtype(kv_b.dtype).name, dn, TM, G, NWD)
+        k[(gx, H, nqz), k.threads, stream](q, kv_b, positions, cos_tab, sin_tab, il, q_abs, q_pe)
+        return
+    c, gw, eps, L, c_kv_cache, k_pe_cache = kv
+    k = _q_absorb2_kernel(np.dtype(kv_b.dtype).name, dn, TM, G, NWD, np.dtype(gw.dtype).name)
+    k[(gx, H, nqz + cdiv(M, gx * H)), k.threads, stream](q, kv_b, positions, cos_tab, sin_tab, il, q_abs, q_pe, c, gw,
+                                                          np.float32(eps), device_scalar(L), c_kv_cache, k_pe_cache)
+
+
+# One launch for kv_latent_write and q_absorb (v2) per layer instead of two (``latent_write_and_absorb``; env
+# KDT_MLA_FUSE_KV=1). Off by default: NOT YET MEASURED (session 10 wrote it after its device time was spent).
+# Both read disjoint columns of the same [q | c] projection and nothing of each other, so the latent-write
+# blocks (one token each) simply join q_absorb's grid. Prediction: 7 launches fewer per learned budget-16 step
+# (~2.4 us each with its gap: ~3% of the 477 us step), 4 per model_code AR step (~5%), Moonlight within noise.
+# To measure: the drafter table and both benches with the variable 0 and 1 on one machine.
+FUSE_KV = os.environ.get("KDT_MLA_FUSE_KV", "0") == "1"
+
+
+def latent_write_and_absorb(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, q, kv_b, positions, cos_tab, sin_tab,
+                            interleave: bool, q_abs, q_pe, stream=0, fuse: bool | None = None) -> None:
+    """:func:`kv_latent_write` then :func:`q_absorb` (their arguments), in one launch with ``fuse`` (default
+    ``FUSE_KV``) and the v2 kernels, else in two."""
+    if (FUSE_KV if fuse is None else fuse) and _version(None) == 2 and q_abs.shape[0] > 0:
+        _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream,
+                     kv=(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache))
+        return
+    kv_latent_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L, c_kv_cache, k_pe_cache, interleave,
+                    stream=stream)
+    q_absorb(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream)
 
 
 # v2 uv_project -----------------------------------------------------------------------------------------
@@ -1343,6 +1407,11 @@ def _register() -> None:
         # q a column slice of the stacked [q | c] buffer (models without q LoRA: Moonlight)
         register_ptx(_q_absorb2_kernel(wdt, dn, 1, 32, 8), (f32_2a, w2, i64_1, f32_2, f32_2, int32, f32_3, f32_3),
                      name=f"q_absorb2_kernel[{wdt},TM=1,A]")
+        for TM, q_t in ((1, f32_2a), (8, f32_2)):  # with the latent write (FUSE_KV; the engine's norms are
+            # float32), c a column slice of the stacked [q_a | c] buffer
+            register_ptx(_q_absorb2_kernel(wdt, dn, TM, 32, 8, "float32"),
+                         (q_t, w2, i64_1, f32_2, f32_2, int32, f32_3, f32_3, f32_2a, f32_1, float32, i64_1, f32_2,
+                          f32_2), name=f"q_absorb2_kernel[{wdt},TM={TM},kv]")
         register_ptx(_uv_project_kernel(wdt, Rkv, 32, 8, 1, 1), (f32_3, w2, f32_2),
                      name=f"uv_project_kernel[{wdt},RPW=1]")
     # Moonlight / Kimi (H >= 16; the prefetch modes), H = 4 at Rkv 512 and the tiny fixture (one warp)
