@@ -44,8 +44,9 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
     t = moe.v2_tiles(M, k, E, D)
     r = dataclasses.replace
     old = [("A_one_router", r(t, rt=False))] if M > t.tt_s else []
-    if moe._v2_tiles_by_m(M, k).jc != t.jc:
-        old.append(("C_jc_by_M", r(t, jc=moe._v2_tiles_by_m(M, k).jc)))
+    jc_by_m = moe._v2_tiles_by_m(M, k).jc
+    if jc_by_m != t.jc:
+        old.append(("C_jc_by_M", r(t, jc=jc_by_m)))
     return old
 
 

@@ -443,16 +443,18 @@ def _ranks_before(va, ia, vb, ib):
     return va > vb or (va == vb and ia < ib)
 
 
-if IS_SIM:
+@cuda.jit(device=True, inline="always")
+def _partner_shared(sv, si, tid, v, idx, j):
+    """(v, idx) of thread tid ^ j through shared memory (every thread of the block calls it)."""
+    cuda.syncthreads()
+    sv[tid] = v
+    si[tid] = idx
+    cuda.syncthreads()
+    return sv[tid ^ j], si[tid ^ j]
 
-    @cuda.jit(device=True)
-    def _partner(sv, si, tid, v, idx, j):
-        """(v, idx) of thread tid ^ j (simulator: through shared memory; every thread calls it)."""
-        cuda.syncthreads()
-        sv[tid] = v
-        si[tid] = idx
-        cuda.syncthreads()
-        return sv[tid ^ j], si[tid ^ j]
+
+if IS_SIM:
+    _partner = _partner_shared  # no shuffles in the simulator
 
 else:
 
@@ -462,11 +464,7 @@ else:
         (j is the same for the whole block: every thread takes the same branch)."""
         if j < WARP:
             return cuda.shfl_xor_sync(0xFFFFFFFF, v, j), cuda.shfl_xor_sync(0xFFFFFFFF, idx, j)
-        cuda.syncthreads()
-        sv[tid] = v
-        si[tid] = idx
-        cuda.syncthreads()
-        return sv[tid ^ j], si[tid ^ j]
+        return _partner_shared(sv, si, tid, v, idx, j)
 
 
 @cuda.jit(device=True, inline="always")

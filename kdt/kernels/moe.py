@@ -1643,9 +1643,9 @@ def _register() -> None:
     sig_b = (f2, u3, f2, i1, i1, i1, i1, i1, f2, u3, f2, int64, int64, int64)
     sig_c = (f2, u3, f2, i1, i1, i1, i1, i2, f2, f2, f2, i1, int64, int64, int64, boolean, boolean)
     seen: set[int] = set()
+    shapes = [v2_tiles(M, 8) for M in (1, 4, 8, 16, 64)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
     for epw in (2, 4):
-        for M in (1, 4, 8, 16, 64, -64):  # -64: M = 64 with the routing in one block (rt off)
-            t = v2_tiles(M, 8) if M > 0 else replace(v2_tiles(-M, 8), rt=False)
+        for t in shapes:
             for kern, sig in zip(_v2_kernels(t, epw), (sig_a, sig_b, sig_c), strict=True):
                 if id(kern) not in seen:  # the factories cache: one object per launch shape
                     seen.add(id(kern))
