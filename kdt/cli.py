@@ -260,6 +260,9 @@ def train_drafter(
     backend: str = typer.Option("cpu", help="Backend of the acceptance table: cpu | cuda."),
     dtype: str = typer.Option("float32", help="Target weights on the GPU for the table: float32 | bf16."),
     json_out: Path = typer.Option(None, "--json", help="Write the acceptance table (and training summary) here."),
+    resume: bool = typer.Option(False, "--resume", help="Start from MODEL's drafter: its weights and its shape "
+                                "(--block-size, --layers, --intermediate, --target-layers are taken from it); "
+                                "a fresh optimizer and schedule over --minutes / --steps."),
 ):
     """Train a DFlash-style block drafter for MODEL with torch (the `train` extra) against the target's own
     greedy continuations, store it under /drafter, and print its acceptance on held-out text. On a
@@ -305,8 +308,11 @@ def train_drafter(
         import transformers  # noqa: F401
     except ImportError:
         fail("kdt train-drafter needs torch and transformers: pip install -e '.[train]'")
+    if resume and fx.drafter is None:
+        fail(f"--resume: {model} carries no learned drafter")
     if fx.drafter is not None:
-        err.print(f"{model} already carries a drafter: it will be replaced", highlight=False)
+        err.print(f"{model} already carries a drafter: it will be "
+                  + ("trained further (--resume)" if resume else "replaced"), highlight=False)
     try:
         tl = None if target_layers == "auto" else tuple(int(x) for x in target_layers.split(","))
     except ValueError:
@@ -315,6 +321,8 @@ def train_drafter(
         fail(f"--corpus {corpus} is not a directory")
     if minutes <= 0 and steps <= 0:
         fail("give --minutes > 0 or --steps > 0")
+    if resume:  # the drafter's own shape
+        block_size = fx.drafter.config.block_size
     if min(sequences, eval_sequences, layers, intermediate, batch) < 1 or block_size < 2 or gen_len < block_size + 8:
         fail("--sequences, --eval-sequences, --layers, --intermediate, --batch must be >= 1, --block-size >= 2 and "
              "--gen-len >= block size + 8")
@@ -328,7 +336,8 @@ def train_drafter(
     need = args.prompt_len + args.gen_len
     if min(len(train_stream), len(eval_stream)) <= need:
         fail(f"the corpus is too small: need more than {need} tokens in both its training and held-out files")
-    dcfg, weights, summary = train(fx.config, fx.weights, train_stream, eval_stream, args, log=log)
+    dcfg, weights, summary = train(fx.config, fx.weights, train_stream, eval_stream, args, log=log,
+                                   init=fx.drafter if resume else None)
     fx.drafter = Drafter(dcfg, weights, summary)
     dest = out or model
     copy_with_drafter(model, dest, fx.drafter)  # saved before the evaluation: nothing trained is lost

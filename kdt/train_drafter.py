@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -341,11 +341,18 @@ class TrainArgs:
 
 
 def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.ndarray, eval_stream: np.ndarray,
-          a: TrainArgs, log: Callable[[str], None] = print) -> tuple[DrafterConfig, dict[str, np.ndarray], dict]:
-    """Train a drafter for the model (``weights``: its float32 weights). Returns (config, weights, summary)."""
+          a: TrainArgs, log: Callable[[str], None] = print,
+          init=None) -> tuple[DrafterConfig, dict[str, np.ndarray], dict]:
+    """Train a drafter for the model (``weights``: its float32 weights). Returns (config, weights, summary).
+    ``init`` (a :class:`kdt.fixture.Drafter`): start from its weights and take its shape (block size, layers,
+    width, target layers) instead of ``a``'s; the optimizer and the schedule start afresh."""
     torch = _torch()
     torch.manual_seed(a.seed)
     rng = np.random.default_rng(a.seed)
+    if init is not None:
+        dcfg = init.config
+        a = replace(a, block_size=dcfg.block_size, layers=dcfg.num_hidden_layers,
+                    intermediate_size=dcfg.intermediate_size, target_layers=tuple(dcfg.target_layers))
     layers = tuple(a.target_layers or default_target_layers(cfg.num_hidden_layers))
     dcfg = DrafterConfig(target_layers=layers, block_size=a.block_size, num_hidden_layers=a.layers,
                          intermediate_size=a.intermediate_size)
@@ -369,8 +376,12 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
     log(f"data ready in {data_s:.0f} s: features of layers {list(layers)} ({tr_feat.shape[-1]} per position)")
 
     del target
-    model = TorchDrafter(dcfg, cfg, weights["model.embed_tokens.weight"], lm_head_weight(cfg, weights), seed=a.seed,
-                         device=a.device)
+    model = TorchDrafter(dcfg, cfg, weights["model.embed_tokens.weight"], lm_head_weight(cfg, weights),
+                         weights=None if init is None else init.weights, seed=a.seed, device=a.device)
+    if init is not None:
+        prev = init.meta or {}
+        log(f"resuming from the drafter's weights ({prev.get('steps', '?')} steps, {prev.get('train_s', '?')} s "
+            f"of training before)")
     params = list(model.params.values())
     n_params = int(sum(p.numel() for p in params))
     decay = [p for p in params if p.dim() == 2]
@@ -419,6 +430,8 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
                "final_eval_top1_by_depth": ev_top1, "args": {k: (list(v) if isinstance(v, tuple) else v)
                                                             for k, v in vars(a).items()},
                "curve": curve}
+    if init is not None:  # what the run started from (its own summary, less its curve)
+        summary["resumed_from"] = {k: v for k, v in (init.meta or {}).items() if k not in ("curve", "acceptance")}
     return dcfg, model.export(), summary
 
 

@@ -39,14 +39,17 @@ from kdt.kernels.bench import copy_bandwidth, moe_layer, rand, time_us  # noqa: 
 
 
 def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tiles]]:
-    """The default launch shape with one of session 10's two changes undone (name, tiles): kernel A
-    routing all M tokens in one block; kernel C's experts per block by M alone."""
+    """The default launch shape with one of the recent changes undone (name, tiles): kernel A routing all M
+    tokens in one block, kernel C's experts per block by M alone (session 10); kernel A's token tiles by M
+    alone (session 11)."""
     t = moe.v2_tiles(M, k, E, D)
     r = dataclasses.replace
     old = [("A_one_router", r(t, rt=False))] if M > t.tt_s else []
-    jc_by_m = moe._v2_tiles_by_m(M, k).jc
-    if jc_by_m != t.jc:
-        old.append(("C_jc_by_M", r(t, jc=jc_by_m)))
+    by_m = moe._v2_tiles_by_m(M, k)
+    if by_m.jc != t.jc:
+        old.append(("C_jc_by_M", r(t, jc=by_m.jc)))
+    if (by_m.tt_s, by_m.cs_s) != (t.tt_s, t.cs_s):  # session 11: kernel A's 2-token tiles (small models)
+        old.append(("A_tiles_by_M", r(t, tt_s=by_m.tt_s, cs_s=by_m.cs_s)))
     return old
 
 
@@ -65,7 +68,10 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
         return [("tt2", r(t, tt=2, tt_c=2)), ("tt2_sd_first", r(t, tt=2, tt_c=2, sd_first=True)),
                 ("sd_first", r(t, sd_first=True)), ("tt8_words2", r(t, tt=8, tt_c=8, u=2, u_c=2, sd_first=True))]
     return [("rows8_tt4", r(t, nr=8, tt=4, tt_s=4, nr_c=8, tt_c=4)), ("C_8experts", r(t, jc=8)),
-            ("words1", r(t, u=1, u_c=1, u_l=1)), ("C_2warps", r(t, nw_c=2))]
+            ("words1", r(t, u=1, u_c=1, u_l=1)), ("C_2warps", r(t, nw_c=2)),
+            # small models (model_code M = 17 / 65): shorter token tiles, more blocks per launch
+            ("tt4_words4", r(t, tt=4, tt_s=4, tt_c=4, u=4, u_l=4, u_c=4)), ("A_tiles2", r(t, tt_s=2)),
+            ("tt2_words4", r(t, tt=2, tt_s=2, tt_c=2, u=4, u_l=4, u_c=4))]
 
 
 def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> list[dict]:

@@ -234,6 +234,13 @@ def test_train_drafter_cli_smoke(tmp_path):
     assert ev.drafter.meta["acceptance"] == doc["acceptance"]
     assert ev.drafter.meta["acceptance_run"] == {"backend": "cpu", "dtype": "float32", "prompts": 1}
     assert all(np.array_equal(ev.drafter.weights[n], fx.drafter.weights[n]) for n in fx.drafter.weights)
+    # --resume: the drafter's shape (not the defaults' 2 layers, block 16), its weights as the start
+    r = run_kdt("train-drafter", out, "--resume", "--out", tmp_path / "resumed.h5", "--minutes", "0", "--steps", "1",
+                "--sequences", "4", "--eval-sequences", "2", "--gen-len", "32", "--eval-prompts", "0")
+    assert r.returncode == 0 and "resuming from" in r.stderr, r.stderr[-2000:]
+    rs = read_fixture(tmp_path / "resumed.h5")
+    assert rs.drafter.config == fx.drafter.config and rs.drafter.meta["resumed_from"]["steps"] == 2
+    assert any(not np.array_equal(rs.drafter.weights[n], fx.drafter.weights[n]) for n in fx.drafter.weights)
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -243,6 +250,7 @@ def test_train_drafter_cli_smoke(tmp_path):
     (("--device", "gpu"), "--device"),
     (("--anchors", "0"), "--anchors"),
     (("--anchors", "178"), "--anchors"),  # the default gen-len 192 and block 16 leave 177 roots
+    (("--resume",), "no learned drafter"),
 ])
 def test_train_drafter_refusals(tmp_path, args, msg):
     from kdt.testing import run_kdt

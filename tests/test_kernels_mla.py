@@ -268,6 +268,14 @@ def check_latent_write_and_absorb(rng, cfg, M, wdtype):
         np.testing.assert_array_equal(fused, sep)  # NaN (never written) where the separate launches left NaN
 
 
+def test_latent_write_block_matches_q_absorb2():
+    """The separate latent write reduces over as many threads as q_absorb2's block (the fused path's), so
+    the two paths write the same bits: real head dims (dn 128) and model_code's (dn 32)."""
+    for dn in (128, 32):
+        _, G, NWD = mla._q_absorb2_params(17, dn)
+        assert mla._KV_NT == G * NWD, dn
+
+
 @pytest.mark.kernels
 @pytest.mark.parametrize("M, wdtype", [(1, "f32"), (5, "bf16"), (17, "f32")])  # 17: three latent-write slices
 def test_latent_write_and_absorb_fused(rng, M, wdtype):
@@ -369,16 +377,20 @@ def test_mla_attention_v2_geometries(rng, params):
 
 
 def test_mla_num_splits_v2():
-    """v2 splits: whole waves of BLOCKS_PER_SM_V2 blocks per SM, >= MIN_KEYS_PER_SPLIT_V2 keys each."""
-    slots = mla.BLOCKS_PER_SM_V2 * mla._num_sms()
-    for H, M in ((16, 1), (16, 16), (16, 64), (64, 1), (64, 3), (128, 1)):
+    """v2 splits: whole waves of the resident blocks per SM (BLOCKS_PER_SM_V2 4-warp blocks' worth: more
+    of fewer warps), >= MIN_KEYS_PER_SPLIT_V2 keys each."""
+    for H, M in ((16, 1), (16, 16), (16, 64), (64, 1), (64, 3), (128, 1), (4, 1), (4, 17), (4, 65)):
         S = mla.mla_num_splits(1 << 20, M, H, version=2)
-        R = mla._attn2_geometry(512, 64, *mla._attn2_params(H, 512, 64))["R"]
+        prm = mla._attn2_params(H, 512, 64)
+        slots = mla._attn2_blocks_per_sm(prm[2]) * mla._num_sms()
+        R = mla._attn2_geometry(512, 64, *prm)["R"]
         blocks = S * M * -(-H // R)
         assert 1 <= S <= mla.MAX_SPLITS_V2 and (blocks <= slots or S == 1), (H, M, S)
         assert S == 1 or (S + 1) * M * -(-H // R) > slots or S == mla.MAX_SPLITS_V2
     assert mla.mla_num_splits(0, 1, 16, version=2) == 1
     assert mla.mla_num_splits(40, 1, 16, version=2) == -(-41 // mla.MIN_KEYS_PER_SPLIT_V2)
+    assert mla._attn2_blocks_per_sm(4) == mla.BLOCKS_PER_SM_V2
+    assert mla._attn2_blocks_per_sm(1) == 4 * mla.BLOCKS_PER_SM_V2  # one-warp blocks (H <= 4 on the GPU)
 
 
 @pytest.mark.kernels
@@ -509,6 +521,35 @@ def test_mla_chain_gpu(rng, H, L, M, wdtype, interleave, version):
     assert rel_err(o, refs["kernel_weights"]) < (F32_BOUND if wdtype == "f32" else BF16_ROUNDED_BOUND)
     if wdtype == "bf16":
         assert rel_err(o, refs["unrounded"]) < BF16_UNROUNDED_BOUND
+
+
+def code_cfg(**kw):
+    """model_code's attention shape (H = 4, Rkv = 64, dr = 16, dn = dv = 32): one-warp attention blocks,
+    the small-W_uv uv_project at every M."""
+    return preset("micro", num_attention_heads=4, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                  v_head_dim=32, max_position_embeddings=1024, **kw)
+
+
+def test_uv_project_small_weight_rule():
+    """One output row per warp, one token per block at any M for a small W_uv; v1's tiling above M = 2
+    for Moonlight's (16 x 128 x 512)."""
+    assert mla._uv2_params(64, 65, 4, 32)[2:] == (1, 1)
+    assert mla._uv2_params(512, 2, 16, 128)[2:] == (1, 1)
+    assert mla._uv2_params(512, 17, 16, 128)[2:] == mla._uv_params(512)[2:] + (mla._uv_tm(17),)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("L,M", [(0, 1), (200, 17), (300, 65)])
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_mla_chain_gpu_code_shape(rng, L, M, wdtype):
+    """The learned DDTree step's shapes: kv write, q_absorb, attention with the engine's splits (device L,
+    max_len 420: one key tile per one-warp block), uv_project with one row per warp."""
+    cfg = code_cfg()
+    o, refs, _ = run_chain(rng, cfg, L, M, wdtype, True)
+    assert rel_err(o, refs["kernel_weights"]) < (F32_BOUND if wdtype == "f32" else BF16_ROUNDED_BOUND)
+    S = mla.mla_num_splits(420, M, 4, 64, 16, version=2)
+    check_attention(rng, cfg, L, M, n_splits=S, version=2, device_L=True)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -449,13 +450,18 @@ def test_v2_tiles_and_fallback():
 
 
 def test_v2_tiles_down_one_expert_rule(monkeypatch):
-    """Kernel C takes one expert per block where its grid then fits _C_ONE_WAVE blocks: model_code's MoE
-    (E = 8, D = 256, k = 2) at the DDTree step's M; no Moonlight or Kimi-K2 launch shape changes."""
+    """Kernel C takes one expert per block where its grid then fits _C_ONE_WAVE blocks, kernel A 2-token
+    tiles: model_code's MoE (E = 8, D = 256, k = 2) at the DDTree step's M; no Moonlight or Kimi-K2 launch
+    shape changes."""
     from kdt.config import preset
 
     monkeypatch.setattr(moe, "IS_SIM", False)  # the GPU launch shapes
     for M in (5, 9, 17, 33, 65, 257):
         assert moe._v2_tiles_by_m(M, 2).jc > 1 and moe.v2_tiles(M, 2, 8, 256).jc == 1, M
+    for M in (1, 2, 3, 8, 16, 17, 32, 33, 65):  # kernel A's 2-token tiles (small models, 2 < M <= 32)
+        t = moe.v2_tiles(M, 2, 8, 256)
+        by_m = moe._v2_tiles_by_m(M, 2)
+        assert (t.tt_s, t.cs_s) == ((2, False) if 2 < M <= 32 else (by_m.tt_s, by_m.cs_s)), M
     for name in ("moonlight-16b-a3b", "kimi-k2"):
         c = preset(name)
         for M in (1, 8, 16, 17, 64, 256):
@@ -526,6 +532,24 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     assert err < bound
     if dtype == BF16:
         assert rel_err(got, cache["fp32_ref"](b.astype(np.float64))) < BF16_VS_FP32_BOUND
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 17, 65])
+def test_moe_forward_code_shape_gpu(rng, M):
+    """model_code's MoE layer (D 256, I 128, E 8, k 2, 1 shared), bf16, at the DDTree steps' M: the
+    small-model launch shapes (kernel C one expert per block, kernel A's 2-token tiles) against float64."""
+    from kdt.fixture import read_config
+
+    cfg = read_config(str(Path(__file__).resolve().parent.parent / "fixtures" / "model_code.h5"))
+    w = _layer_weights(rng, cfg)
+    layer, scratch = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16), moe.MoEScratch.allocate(cfg, 65)
+    b = _draw_b(rng, cfg, w, M)
+    out = cuda.to_device(poisoned((M, cfg.hidden_size)))
+    moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False)
+    assert rel_err(out.copy_to_host(), MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))) < BF16_BOUND
+    _check_v2_state(cfg, b, w, scratch, M)
 
 
 class _LazyExperts:

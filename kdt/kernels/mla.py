@@ -120,7 +120,10 @@ def rope_tables(cfg, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---- 1. latent write -------------------------------------------------------------------------------
-_KV_NT = 8 if IS_SIM else 128  # threads per block (power of two: tree reduction)
+# threads per block (power of two: tree reduction). q_absorb2's block (32 lanes x 8 warps at dn % 8 == 0): the
+# latent writes inside its launch (FUSE_KV) then sum the squares in the same order as this kernel's, so both
+# paths write the same bits (with 128 here, the H200 showed 1-ulp differences in ~3-12% of c_kv)
+_KV_NT = 8 if IS_SIM else 256
 
 
 @functools.cache
@@ -549,8 +552,8 @@ def mla_num_splits(L: int, M: int, H: int, Rkv: int = 512, dr: int = 64, version
     if _version(version) == 2:
         _, A2, NW2, _, _ = _attn2_params(H, Rkv, dr)
         # whole waves: as many splits as fit beside each other (M=64 on 264 slots: 4 splits, 256
-        # blocks, not 5 = 320 blocks = a second wave of 56)
-        want = (BLOCKS_PER_SM_V2 * _num_sms()) // max(1, cdiv(H, NW2 * A2) * M)
+        # blocks, not 5 = 320 blocks = a second wave of 56); BLOCKS_PER_SM_V2 counts 4-warp blocks
+        want = (_attn2_blocks_per_sm(NW2) * _num_sms()) // max(1, cdiv(H, NW2 * A2) * M)
         return int(max(1, min(want, cdiv(L + M, MIN_KEYS_PER_SPLIT_V2), MAX_SPLITS_V2)))
     _, A, NW, _ = _attn_params(H, Rkv, dr)
     base = cdiv(H, NW * A) * M
@@ -709,14 +712,15 @@ def uv_project(o_lat, kv_b, o, stream=0, version: int | None = None) -> None:
     """o[m, h*dv+v] = sum_r kv_b[h*(dn+dv)+dn+v, r] * o_lat[m, h, r]   (W_uv[h] @ o_lat[m, h]).
 
     o_lat[M, H, Rkv] f32; kv_b[H*(dn+dv), Rkv] f32 or bf16 (uint16); o[M, H*dv] f32 out.
-    ``version``: 1 or 2 (default :data:`VERSION`; v2 = one output row per warp at M <= 2).
+    ``version``: 1 or 2 (default :data:`VERSION`; v2 = one output row per warp at M <= 2, or at any M
+    for a small W_uv: :data:`UV_ROW_PER_WARP_ELEMS`).
     """
     M, H, Rkv = o_lat.shape
     if M == 0:
         return
     dv = o.shape[1] // H
     if _version(version) == 2:
-        G, NW, RPW, TM = _uv2_params(Rkv, M)
+        G, NW, RPW, TM = _uv2_params(Rkv, M, H, dv)
     else:
         G, NW, RPW = _uv_params(Rkv)
         TM = _uv_tm(M)
@@ -768,6 +772,14 @@ MAX_SPLITS_V2 = 512  # splits per (token, head group) at most (shared weights of
 MIN_KEYS_PER_SPLIT_V2 = 16  # two tiles of 8 keys
 # resident attention blocks per SM the v2 splits aim at (128 threads x 255 registers: 2 fit)
 BLOCKS_PER_SM_V2 = int(os.environ.get("KDT_MLA_BLOCKS_PER_SM", "2"))
+SPLITS_BY_WARPS = os.environ.get("KDT_MLA_SPLITS_BY_WARPS", "1") == "1"  # 0: session 10's splits (A/B)
+
+
+def _attn2_blocks_per_sm(NW: int) -> int:
+    """Resident v2 attention blocks of NW warps per SM: the registers of BLOCKS_PER_SM_V2 4-warp blocks
+    (H <= 12, e.g. model_code's H = 4: one-warp blocks, 8 per SM; before, 2, so at M = 17 each block
+    walked two or more key tiles in sequence where one-tile splits still fit one wave)."""
+    return max(1, BLOCKS_PER_SM_V2 * 4 // NW) if SPLITS_BY_WARPS else BLOCKS_PER_SM_V2
 
 
 def _version(version) -> int:
@@ -1342,12 +1354,11 @@ def _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, 
 
 
 # One launch for kv_latent_write and q_absorb (v2) per layer instead of two (``latent_write_and_absorb``; env
-# KDT_MLA_FUSE_KV=1). Off by default: NOT YET MEASURED (session 10 wrote it after its device time was spent).
-# Both read disjoint columns of the same [q | c] projection and nothing of each other, so the latent-write
-# blocks (one token each) simply join q_absorb's grid. Prediction: 7 launches fewer per learned budget-16 step
-# (~2.4 us each with its gap: ~3% of the 477 us step), 4 per model_code AR step (~5%), Moonlight within noise.
-# To measure: the drafter table and both benches with the variable 0 and 1 on one machine.
-FUSE_KV = os.environ.get("KDT_MLA_FUSE_KV", "0") == "1"
+# KDT_MLA_FUSE_KV=0 runs the two launches). Both read disjoint columns of the same [q | c] projection and nothing
+# of each other, so the latent-write blocks (one token each) simply join q_absorb's grid. Measured (H200,
+# session 11, the drafter table on and off in one run): model_code AR +4.6% (5158 -> 5395 tok/s), learned chain
+# +4.9%, budget 16 +5.0% (predicted ~5% and ~3%).
+FUSE_KV = os.environ.get("KDT_MLA_FUSE_KV", "1") == "1"
 
 
 def latent_write_and_absorb(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, q, kv_b, positions, cos_tab, sin_tab,
@@ -1364,11 +1375,19 @@ def latent_write_and_absorb(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, q
 
 
 # v2 uv_project -----------------------------------------------------------------------------------------
-def _uv2_params(Rkv: int, M: int) -> tuple[int, int, int, int]:
-    """(G, NW, RPW, TM): at M <= 2 one output row per warp, 8 warps per block (2048 independent warps
-    at H=16); above, v1's tiling (x reuse over 8 rows per warp matters there)."""
+# W_uv of at most this many elements (H * dv * Rkv; model_code: 4 x 32 x 64 = 8 Ki) stays with one output
+# row per warp and one token per block at any M: it sits in L2, so re-reading it per token costs little,
+# while v1's tiling (8 rows per warp in sequence, 4 tokens per block) left model_code's M = 17 with 20
+# blocks of 8 dependent rounds (3.7 us against 0.95 at M = 1). Moonlight's W_uv: 16 x 128 x 512 = 1 Mi.
+UV_ROW_PER_WARP_ELEMS = int(os.environ.get("KDT_MLA_UV_ROW_ELEMS", str(1 << 16)))  # 0: session 10's rule (A/B)
+
+
+def _uv2_params(Rkv: int, M: int, H: int = 0, dv: int = 0) -> tuple[int, int, int, int]:
+    """(G, NW, RPW, TM): at M <= 2, or any M for a small W_uv (``UV_ROW_PER_WARP_ELEMS``), one output row
+    per warp, 8 warps per block (2048 independent warps at H=16); above, v1's tiling (x reuse over 8 rows
+    per warp matters there)."""
     G, NW, RPW = _uv_params(Rkv)
-    if M <= 2:
+    if M <= 2 or H * dv * Rkv <= UV_ROW_PER_WARP_ELEMS:
         return G, (NW if IS_SIM else 8), 1, 1
     return G, NW, RPW, _uv_tm(M)
 
@@ -1382,7 +1401,7 @@ def _register() -> None:
     f32_2a = float32[:, :]  # a column slice of the engine's stacked [q_a | c] buffer
     for wdt, w1 in (("float32", f32_1), ("uint16", u16_1)):
         for c_t, lay in ((f32_2, "C"), (f32_2a, "A")):
-            register_ptx(_kv_latent_write_kernel(wdt, 128),
+            register_ptx(_kv_latent_write_kernel(wdt, _KV_NT),
                          (c_t, w1, float32, i64_1, f32_2, f32_2, i64_1, f32_2, f32_2, int32),
                          name=f"kv_latent_write_kernel[{wdt},{lay}]")
     for wdt, w2 in (("float32", f32_2), ("uint16", u16_2)):

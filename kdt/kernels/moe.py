@@ -1336,6 +1336,12 @@ class V2Tiles:
 # the H200 (132 SMs x 8 blocks of 4 warps): a block then makes one pass over its rows, not jc passes in
 # sequence (model_code at M = 17: 16 row tiles x 8 experts = 128 blocks instead of 32 blocks of 4 passes).
 _C_ONE_WAVE = 1024
+# Kernel A's token tiles hold 2 tokens where the model is small (hidden size <= _SMALL_D) and 2 < M <=
+# _TILES2_MAX_M: more logits blocks, each routing 2 tokens; re-reading the small shared expert and router gate
+# per tile costs little there. H200, model_code's MoE layer, ``scripts/bench_moe.py --previous`` (session 11):
+# M = 16 31.7 us (33.8 by M alone), M = 17 31.8 (35.8); at M = 65 it lost (73.5 against 65.5): 33 tiles.
+_SMALL_D = 1024
+_TILES2_MAX_M = 32
 
 
 def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> V2Tiles:
@@ -1349,11 +1355,14 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     of 8 tokens reads each routed weight row once per forward; 2 words in flight (the FMA work hides
     the latency) keep the tiles in registers (4 x 8 x 4 x 2 FMAs per unrolled step; 4 words spilled
     the accumulators to local memory). Given E and D, kernel C's jc drops to 1 where its grid then still
-    fits ``_C_ONE_WAVE`` blocks (small models)."""
+    fits ``_C_ONE_WAVE`` blocks, and kernel A's token tiles hold 2 tokens at 2 < M <= ``_TILES2_MAX_M``
+    where D <= ``_SMALL_D`` (small models)."""
     t = _v2_tiles_by_m(M, top_k)
-    if E is not None and D is not None and t.jc > 1 and not IS_SIM:
-        if cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
+    if E is not None and D is not None and not IS_SIM:
+        if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
+        if D <= _SMALL_D and t.tt_s > 2 and 2 < M <= _TILES2_MAX_M:
+            t = replace(t, tt_s=2, cs_s=False)
     return t
 
 
@@ -1643,7 +1652,8 @@ def _register() -> None:
     sig_b = (f2, u3, f2, i1, i1, i1, i1, i1, f2, u3, f2, int64, int64, int64)
     sig_c = (f2, u3, f2, i1, i1, i1, i1, i2, f2, f2, f2, i1, int64, int64, int64, boolean, boolean)
     seen: set[int] = set()
-    shapes = [v2_tiles(M, 8) for M in (1, 4, 8, 16, 64)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
+    shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
+              + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     for epw in (2, 4):
         for t in shapes:
             for kern, sig in zip(_v2_kernels(t, epw), (sig_a, sig_b, sig_c), strict=True):
