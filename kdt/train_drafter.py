@@ -349,10 +349,10 @@ def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.nda
     torch = _torch()
     torch.manual_seed(a.seed)
     rng = np.random.default_rng(a.seed)
-    if init is not None:
-        dcfg = init.config
-        a = replace(a, block_size=dcfg.block_size, layers=dcfg.num_hidden_layers,
-                    intermediate_size=dcfg.intermediate_size, target_layers=tuple(dcfg.target_layers))
+    if init is not None:  # its shape replaces a's (the config below is rebuilt from a, and a is recorded)
+        c = init.config
+        a = replace(a, block_size=c.block_size, layers=c.num_hidden_layers, intermediate_size=c.intermediate_size,
+                    target_layers=tuple(c.target_layers))
     layers = tuple(a.target_layers or default_target_layers(cfg.num_hidden_layers))
     dcfg = DrafterConfig(target_layers=layers, block_size=a.block_size, num_hidden_layers=a.layers,
                          intermediate_size=a.intermediate_size)

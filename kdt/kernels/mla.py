@@ -1382,7 +1382,7 @@ def latent_write_and_absorb(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, q
 UV_ROW_PER_WARP_ELEMS = int(os.environ.get("KDT_MLA_UV_ROW_ELEMS", str(1 << 16)))  # 0: session 10's rule (A/B)
 
 
-def _uv2_params(Rkv: int, M: int, H: int = 0, dv: int = 0) -> tuple[int, int, int, int]:
+def _uv2_params(Rkv: int, M: int, H: int, dv: int) -> tuple[int, int, int, int]:
     """(G, NW, RPW, TM): at M <= 2, or any M for a small W_uv (``UV_ROW_PER_WARP_ELEMS``), one output row
     per warp, 8 warps per block (2048 independent warps at H=16); above, v1's tiling (x reuse over 8 rows
     per warp matters there)."""
