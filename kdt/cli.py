@@ -250,9 +250,12 @@ def train_drafter(
     corpus: Path = typer.Option(None, help="Directory of training text (default: the Python standard library)."),
     pattern: str = typer.Option("*.py", help="File pattern under --corpus."),
     eval_prompts: int = typer.Option(8, help="Held-out prompts for the final acceptance table (0: skip)."),
+    budgets: str = typer.Option("16,64,256", help="DDTree budgets of the acceptance table, comma-separated (the "
+                                "suffix drafter runs at the largest)."),
     seed: int = typer.Option(0, help="Seed of data sampling and initialisation."),
     batch: int = typer.Option(8, help="Sequences per optimizer step (each with --anchors blocks)."),
     anchors: int = typer.Option(8, help="Blocks per training sequence, rooted at distinct generated positions."),
+    lr: float = typer.Option(2e-3, help="Peak learning rate (AdamW; linear warmup, cosine decay to a tenth)."),
     device: str = typer.Option("auto", help="torch device of the data generation and training: auto | cpu | "
                                "cuda (auto: cuda when torch sees a GPU)."),
     eval_only: bool = typer.Option(False, "--eval-only", help="Skip training: the acceptance table of MODEL's "
@@ -275,13 +278,20 @@ def train_drafter(
     from kdt.tokenizer import load_tokenizer
     from kdt.train_drafter import TrainArgs, acceptance_table, corpus_streams, torch_device, train
 
+    try:
+        table_budgets = tuple(sorted({int(b) for b in budgets.split(",")}))
+    except ValueError:
+        fail(f"--budgets must be comma-separated integers (got {budgets!r})")
+    if not 1 <= table_budgets[0] <= table_budgets[-1] <= 512:
+        fail(f"--budgets must lie in [1, 512] (got {budgets!r})")
     fx = _load(model)
     be = resolve_backend(backend)
     log = lambda m: err.print(m, highlight=False)  # noqa: E731
 
     def table(eval_stream) -> list[dict]:
         log(f"acceptance on {eval_prompts} held-out prompts ({be} backend, greedy; every run equals AR):")
-        rows = acceptance_table(fx, eval_stream, prompts=eval_prompts, seed=seed, backend=be, dtype=dtype, log=log)
+        rows = acceptance_table(fx, eval_stream, budgets=table_budgets, prompts=eval_prompts, seed=seed, backend=be,
+                                dtype=dtype, log=log)
         if json_out is not None:
             json_out.write_text(json.dumps({"model": str(model), "backend": be, "dtype": dtype,
                                             "drafter_config": json.loads(fx.drafter.config.to_json()),
@@ -321,6 +331,8 @@ def train_drafter(
         fail(f"--corpus {corpus} is not a directory")
     if minutes <= 0 and steps <= 0:
         fail("give --minutes > 0 or --steps > 0")
+    if not lr > 0:
+        fail(f"--lr must be > 0 (got {lr})")
     if resume:  # the drafter's own shape
         block_size = fx.drafter.config.block_size
     if min(sequences, eval_sequences, layers, intermediate, batch) < 1 or block_size < 2 or gen_len < block_size + 8:
@@ -331,7 +343,7 @@ def train_drafter(
     dev = torch_device(device)
     args = TrainArgs(block_size=block_size, layers=layers, intermediate_size=intermediate, target_layers=tl,
                      sequences=sequences, eval_sequences=eval_sequences, gen_len=gen_len, minutes=minutes,
-                     steps=steps, seed=seed, batch=batch, anchors=anchors, device=dev)
+                     steps=steps, seed=seed, batch=batch, anchors=anchors, lr=lr, device=dev)
     train_stream, eval_stream = corpus_streams(load_tokenizer(fx.tokenizer), corpus and str(corpus), pattern)
     need = args.prompt_len + args.gen_len
     if min(len(train_stream), len(eval_stream)) <= need:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -428,7 +428,61 @@ s11d)  # session 11's last call: the gpu tests of its last changes (the latent w
   KDT_LINEAR_FUSE_GLU=0 step drafter_no_glu 130 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
     --eval-only --backend cuda --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-s11-no-glu.json"
   grep -h "budget\|acceptance" "$OUT"/drafter_*.log ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d"; exit 2 ;;
+s12t)  # session 12, issue 8: the committed drafter trained further, alone on the GPU (fresh continuations: seed 1,
+  # a lower peak lr); the model comes back in 15 MB parts (its acceptance table runs in the next call)
+  step train_resume ${DRAFT_TIMEOUT:-540} python3 -m kdt.cli train-drafter fixtures/model_code.h5 --resume \
+    --out /tmp/resumed.h5 --device cuda --minutes ${DRAFT_MIN:-7} --sequences ${DRAFT_SEQ:-65536} --batch 256 \
+    --anchors 16 --seed ${DRAFT_SEED:-1} --lr ${DRAFT_LR:-0.001} --eval-prompts 0
+  grep -h "eval\|wrote" "$OUT/train_resume.log" | tail -n 4 | cut -c1-300
+  [ -f /tmp/resumed.h5 ] && parts /tmp/resumed.h5 ;;
+s12a)  # session 12: tree_build's warp search and the resumed drafter (carry out/resumed.h5 too): the ddtree and
+  # engine gpu tests beside kdt verify (the committed model, the resumed one); then alone: tree_build warp vs heap,
+  # the drafter table of the resumed drafter, of the committed one, and of the resumed one with the heap search
+  ( timeout 240 python3 -m pytest -q -m gpu tests/test_ddtree_kernels.py tests/test_engine_cuda.py -p no:cacheprovider \
+      -rf > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  step verify_cuda_fp32 150 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 120 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step verify_resumed 90 python3 -m kdt.cli verify out/resumed.h5 --backend cuda --dtype bf16
+  wait
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
+  step bench_tree 60 python3 scripts/bench_tree.py --json "$OUT/tree-build-$day-warp-vs-heap.json"
+  step drafter_resumed 170 python3 -m kdt.cli train-drafter out/resumed.h5 --eval-only --backend cuda --dtype bf16 \
+    --out /tmp/model_code_resumed.h5 --json "$OUT/drafter-$day-model_code-cuda-s12-resumed.json"
+  step drafter_committed 55 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s12-committed.json"
+  KDT_TREE_WARP_MAX=0 step drafter_resumed_heap 55 python3 -m kdt.cli train-drafter out/resumed.h5 --eval-only \
+    --backend cuda --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s12-resumed-heap.json"
+  [ -f /tmp/model_code_resumed.h5 ] && parts /tmp/model_code_resumed.h5
+  cat "$OUT/bench_tree.log"; grep -h "budget\|acceptance\| ar \|chain" "$OUT"/drafter_*.log | cut -c1-200 ;;
+s12b)  # session 12's last call: tree_build warp vs heap (GPU time behind a spin kernel), the Moonlight bench (not
+  # run since session 10: the latent write in q_absorb's launch is on by default since session 11), the tiny bench
+  step bench_tree 45 python3 scripts/bench_tree.py --json "$OUT/tree-build-$day-warp-vs-heap.json"
+  step bench_moonlight 380 python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s12.json"
+  step bench_tiny 150 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s12.json"
+  cat "$OUT/bench_tree.log" ;;
+s12c)  # session 12's last call: the split combine in the W_uv projection's launch and tree_build's K >= 2 rule: the
+  # MLA / ddtree / engine gpu tests beside kdt verify (the fixture's new drafter); then alone: the drafter table,
+  # the same at budget 16 with KDT_MLA_FUSE_COMBINE_UV=0, tree_build by the rule vs the heap, the tiny bench.
+  # As run; the combine fusion (mla.attention_uv, its tests and variable) was removed after it (no measured gain)
+  ( timeout 280 python3 -m pytest -q -m gpu tests/test_ddtree_kernels.py tests/test_engine_cuda.py \
+      "tests/test_kernels_mla.py::test_attention_uv_gpu_code_shape" "tests/test_kernels_mla.py::test_mla_chain_gpu_code_shape" \
+      -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  step verify_cuda_fp32 150 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 120 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
+  step drafter_final 170 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --json "$OUT/drafter-$day-model_code-cuda-s12-final.json"
+  KDT_MLA_FUSE_COMBINE_UV=0 step drafter_unfused 60 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
+    --eval-only --backend cuda --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s12-unfused-combine.json"
+  step bench_tree 30 python3 scripts/bench_tree.py --json "$OUT/tree-build-$day-rule-vs-heap.json"
+  step bench_tiny 60 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s12c.json"
+  cat "$OUT/bench_tree.log"; grep -h "budget\|acceptance" "$OUT"/drafter_*.log | cut -c1-200 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -98,12 +98,14 @@ def following_choices(tree: Tree, rng, nmax: int, p_follow: float = 0.8) -> np.n
     return tc
 
 
-def check_build_and_accept(rng, R, D, K, budget, ties, nmax=None, threads=32):
-    """Build + accept on the device with poisoned outputs; every output equals the reference."""
+def check_build_and_accept(rng, R, D, K, budget, ties, nmax=None, threads=32, warp_max=None):
+    """Build + accept on the device with poisoned outputs; every output equals the reference.
+    ``warp_max``: tree_build's warp-search bound (None: the default, -1: the heap search at every budget)."""
     nmax = budget + 1 if nmax is None else nmax
     root, tokens, logp, L = random_drafts(rng, R, D, K, ties)
     out = poisoned_tree_buffers(R, nmax)
-    got = build_tree_gpu(root, tokens, logp, budget, L, out=out, threads=threads)  # numpy in -> numpy out
+    got = build_tree_gpu(root, tokens, logp, budget, L, out=out, threads=threads,
+                         warp_max=warp_max)  # numpy in -> numpy out
     trees = [build_tree(root[r], tokens[r], logp[r], budget) for r in range(R)]
     for r, tree in enumerate(trees):
         ref = padded_reference(tree, L[r], nmax, budget)
@@ -134,20 +136,34 @@ def check_build_and_accept(rng, R, D, K, budget, ties, nmax=None, threads=32):
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("warp_max", [None, -1], ids=["warp", "heap"])
 @pytest.mark.parametrize("budget", [0, 1, 2, 5, 17])
 @pytest.mark.parametrize("D", [1, 2, 5])
-def test_tree_build_accept_parity(rng, budget, D):
+def test_tree_build_accept_parity(rng, budget, D, warp_max):
     for ties in (True, True, False):
         K = int(rng.integers(1, 5))
-        check_build_and_accept(rng, R=2, D=D, K=K, budget=budget, ties=ties)
+        check_build_and_accept(rng, R=2, D=D, K=K, budget=budget, ties=ties, warp_max=warp_max)
 
 
 @pytest.mark.kernels
-def test_tree_build_ties_hand_computed():
+def test_tree_build_warp_search_full_warp(rng):
+    """The warp search at its largest budget (31 pops: every lane holds a node, up to 32 live candidate
+    slots), wide and deep drafts, ties common; and budget 32 just above it (the heap)."""
+    from kdt.kernels.ddtree import WARP_SEARCH_MAX
+
+    assert WARP_SEARCH_MAX == 31
+    for budget in (31, 32):
+        for ties in (True, False):
+            check_build_and_accept(rng, R=1, D=31, K=31, budget=budget, ties=ties)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("warp_max", [None, -1], ids=["warp", "heap"])
+def test_tree_build_ties_hand_computed(warp_max):
     """All-equal log-probs: the kernel breaks ties by push order, like the reference (rank-major)."""
     tokens = np.array([[[10, 11, 12], [20, 21, 22]]], np.int64)
     logp = np.full((1, 2, 3), -1.0, np.float32)
-    got = build_tree_gpu(np.array([99]), tokens, logp, 9, np.array([4]), threads=32)
+    got = build_tree_gpu(np.array([99]), tokens, logp, 9, np.array([4]), threads=32, warp_max=warp_max)
     np.testing.assert_array_equal(got.parent[0], [-1, 0, 0, 0, 1, 2, 3, 1, 2, 3])
     np.testing.assert_array_equal(got.tokens[0], [99, 10, 11, 12, 20, 20, 20, 21, 21, 21])
     np.testing.assert_array_equal(got.positions[0], [4, 5, 5, 5, 6, 6, 6, 6, 6, 6])
@@ -269,12 +285,14 @@ def test_wrappers_validate():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("budget", [1, 2, 3, 7, 16, 64, 128, 255, 256])
+@pytest.mark.parametrize("budget", [1, 2, 3, 7, 16, 31, 32, 64, 128, 255, 256])
 @pytest.mark.parametrize("D", [1, 2, 5, 15])
 @pytest.mark.parametrize("K", [1, 4, 16])
 def test_tree_build_accept_parity_gpu(rng, budget, D, K):
     for ties in (True, False):
         check_build_and_accept(rng, R=6, D=D, K=K, budget=budget, ties=ties, threads=128)
+        if budget <= 31:  # the heap search at the warp search's budgets too
+            check_build_and_accept(rng, R=6, D=D, K=K, budget=budget, ties=ties, threads=128, warp_max=-1)
 
 
 @pytest.mark.gpu

@@ -223,11 +223,13 @@ def test_train_drafter_cli_smoke(tmp_path):
     assert doc["drafter"] == "learned" and doc["block_size"] == 4 and len(doc["tokens"]) == 8
     r = run_kdt("verify", out, "--backend", "cpu")
     assert r.returncode == 0 and "learned" in r.stdout, r.stdout[-2000:]
-    r = run_kdt("train-drafter", out, "--eval-only", "--eval-prompts", "1", "--json", tmp_path / "acc.json",
+    r = run_kdt("train-drafter", out, "--eval-only", "--eval-prompts", "1", "--budgets", "4,16", "--json",
+                tmp_path / "acc.json",
                 "--out", tmp_path / "evaluated.h5")
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads((tmp_path / "acc.json").read_text())
-    assert [row["drafter"] for row in doc["acceptance"]][:2] == ["ar", "learned chain"]
+    assert [(row["drafter"], row["budget"]) for row in doc["acceptance"]][:4] == [
+        ("ar", 0), ("learned chain", 3), ("learned", 4), ("learned", 16)]
     assert doc["training"]["steps"] == 2
     # --eval-only --out: a copy whose drafter meta records this table (the drafter itself unchanged)
     ev = read_fixture(tmp_path / "evaluated.h5")
@@ -236,10 +238,11 @@ def test_train_drafter_cli_smoke(tmp_path):
     assert all(np.array_equal(ev.drafter.weights[n], fx.drafter.weights[n]) for n in fx.drafter.weights)
     # --resume: the drafter's shape (not the defaults' 2 layers, block 16), its weights as the start
     r = run_kdt("train-drafter", out, "--resume", "--out", tmp_path / "resumed.h5", "--minutes", "0", "--steps", "1",
-                "--sequences", "4", "--eval-sequences", "2", "--gen-len", "32", "--eval-prompts", "0")
+                "--sequences", "4", "--eval-sequences", "2", "--gen-len", "32", "--eval-prompts", "0", "--lr", "0.001")
     assert r.returncode == 0 and "resuming from" in r.stderr, r.stderr[-2000:]
     rs = read_fixture(tmp_path / "resumed.h5")
     assert rs.drafter.config == fx.drafter.config and rs.drafter.meta["resumed_from"]["steps"] == 2
+    assert rs.drafter.meta["args"]["lr"] == 0.001
     assert any(not np.array_equal(rs.drafter.weights[n], fx.drafter.weights[n]) for n in fx.drafter.weights)
 
 
@@ -251,6 +254,9 @@ def test_train_drafter_cli_smoke(tmp_path):
     (("--anchors", "0"), "--anchors"),
     (("--anchors", "178"), "--anchors"),  # the default gen-len 192 and block 16 leave 177 roots
     (("--resume",), "no learned drafter"),
+    (("--lr", "0"), "--lr"),
+    (("--budgets", "16,x"), "--budgets"),
+    (("--budgets", "0,16"), "--budgets"),
 ])
 def test_train_drafter_refusals(tmp_path, args, msg):
     from kdt.testing import run_kdt

@@ -3,9 +3,10 @@
 Reference: :mod:`kdt.reference.ddtree`. Every output matches it exactly (same float32 scores, same
 tie-break: higher score first, then the smaller push id; the sibling is pushed before the child).
 
-- ``tree_build``: one block per request. Thread 0 runs the sequential best-first search on a binary
-  heap in shared memory (log-probs staged in shared memory too, so the sequential loop never waits
-  on global memory); the other warps zero the visibility matrix meanwhile; then every thread
+- ``tree_build``: one block per request. The sequential best-first search runs in warp 0's registers
+  for trees of budget <= 31 (:func:`_warp_search`: each pop a warp arg-max) and on thread 0's binary
+  heap in shared memory otherwise (log-probs staged in shared memory too, so the sequential loop never
+  waits on global memory); the other warps zero the visibility matrix meanwhile; then every thread
   writes whole nodes: the outputs and the visibility row (by walking that node's ancestors, so rows
   are independent), and marks the unused slots.
 - ``tree_accept``: one block per request stages the tree's rows in shared memory, then thread 0 walks
@@ -24,13 +25,16 @@ Moonlight chain step).
 
 Measured on the H200 (ncu, one request, D=15, K=32): tree_build 95 / 444 / 962 us at budget
 64 / 256 / 512, bound by the latency of thread 0's heap loop (~1.9 us per pop; static shared memory
-48,172 bytes, just under the 48 KiB limit); tree_accept 5-7 us; kv_compact 12 us for 61 layers x 16
-rows x (512 + 64) columns. A warp-parallel selection would be the next step for tree_build.
+48,180 bytes, just under the 48 KiB limit); tree_accept 5-7 us; kv_compact 12 us for 61 layers x 16
+rows x (512 + 64) columns. The warp search (2026-12-01, ``scripts/bench_tree.py``, D = 15): K = 16
+budget 16 / 31 12.2 / 19.6 us against the heap's 16.0 / 28.9; a chain (K = 1) stays on the heap (8.1 us
+at budget 16, the warp 10.9).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -44,6 +48,13 @@ _HEAP_CAP = MAX_BUDGET + 2  # live heap entries: at most 1 + pops
 _NODE_CAP = MAX_BUDGET + 1
 _LOGP_CAP = 15 * MAX_BUDGET  # staged log-probs: D = 15 (block size 16) at K = MAX_BUDGET
 assert _CAND_CAP < 2**15  # push ids and node indices are stored as int16
+# Trees (K >= 2) of budgets up to WARP_SEARCH_MAX run the search in one warp's registers (lane n holds
+# node n and one live candidate: at most 1 + pops <= 32 of each); chains and larger budgets on thread 0's
+# heap. Env KDT_TREE_WARP_MAX=0 keeps every budget on the heap (A/B).
+WARP_SEARCH_MAX = min(WARP - 1, int(os.environ.get("KDT_TREE_WARP_MAX", str(WARP - 1))))
+_NO_ID = 2**31 - 1  # the push id of an empty candidate slot (pops after every real candidate)
+_XCH = WARP if IS_SIM else 1  # the simulator's lane-exchange buffers (shuffles on the GPU)
+NEG_INF_F32 = float32(-np.inf)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,12 +119,146 @@ def _logp(s_logp, staged, ks, draft_logp, r, d, k):
     return draft_logp[r, d, k]
 
 
+
+if IS_SIM:  # no shuffles in the simulator: exchange through shared memory (the block is the one warp)
+
+    @cuda.jit(device=True, inline="always")
+    def _lane_f32(xf, lane, v, src):
+        """v of lane ``src`` (every lane of the warp calls it)."""
+        cuda.syncthreads()
+        xf[lane] = v
+        cuda.syncthreads()
+        return xf[src]
+
+    @cuda.jit(device=True, inline="always")
+    def _lane_i32(xi, lane, v, src):
+        cuda.syncthreads()
+        xi[lane] = v
+        cuda.syncthreads()
+        return xi[src]
+
+else:
+
+    @cuda.jit(device=True, inline="always")
+    def _lane_f32(xf, lane, v, src):
+        """v of lane ``src`` (every lane of the warp calls it)."""
+        return cuda.shfl_sync(0xFFFFFFFF, v, src)
+
+    @cuda.jit(device=True, inline="always")
+    def _lane_i32(xi, lane, v, src):
+        return cuda.shfl_sync(0xFFFFFFFF, v, src)
+
+
+@cuda.jit(device=True, inline="always")
+def _warp_search(lane, nb, ds, ks, s_logp, staged, draft_logp, r, xf, xi, cand_depth, cand_rank, node_cand,
+                 node_parent, node_first, node_next):
+    """The best-first search of ``tree_build`` for nb <= WARP_SEARCH_MAX in one warp's registers (all 32
+    lanes call it). Lane n holds node n (score, parent, first child, next sibling, depth, rank) and one
+    candidate slot (score, push id, parent, depth, rank, previously popped sibling). A pop is a warp
+    arg-max over the slots by the heap's order (higher score, then smaller push id), so the pops, the
+    push ids and the tree are the heap's. The popped slot takes the sibling push, a new slot the child
+    (slots in use <= 1 + pops <= 32). Leaves the nodes where the heap search leaves them (node n's depth
+    and rank in cand_depth[n], cand_rank[n], node_cand[n] = n). Returns the node count."""
+    ns = float32(0.0)  # node `lane`; the root's score is 0
+    npar = int32(-1)
+    nfirst = int32(-1)
+    nnext = int32(-1)
+    ndep = int32(0)
+    nrank = int32(0)
+    cs = NEG_INF_F32  # candidate slot `lane`
+    cid = int32(_NO_ID)
+    cpar = int32(0)
+    cdep = int32(0)
+    crank = int32(0)
+    cprev = int32(-1)
+    size = 0
+    npush = 0
+    nslots = 0
+    count = 0
+    if nb > 0:  # push id 0: rank 0 at depth 1
+        if lane == 0:
+            cs = _logp(s_logp, staged, ks, draft_logp, r, 0, 0)
+            cid = int32(0)
+            cdep = int32(1)
+        size = 1
+        npush = 1
+        nslots = 1
+    while count < nb and size > 0:
+        bs = cs
+        bi = cid
+        bl = int32(lane)
+        j = 16
+        while j >= 1:
+            os_ = _lane_f32(xf, lane, bs, lane ^ j)
+            oi = _lane_i32(xi, lane, bi, lane ^ j)
+            ol = _lane_i32(xi, lane, bl, lane ^ j)
+            if _before(os_, oi, bs, bi):
+                bs = os_
+                bi = oi
+                bl = ol
+            j //= 2
+        p = _lane_i32(xi, lane, cpar, bl)
+        d = _lane_i32(xi, lane, cdep, bl)
+        rk = _lane_i32(xi, lane, crank, bl)
+        prev = _lane_i32(xi, lane, cprev, bl)
+        ps = _lane_f32(xf, lane, ns, p)  # the parent's score (p < the new node)
+        size -= 1
+        count += 1
+        node = count
+        if lane == node:
+            ns = bs
+            npar = p
+            ndep = d
+            nrank = rk
+        if prev < 0:
+            if lane == p:
+                nfirst = int32(node)
+        elif lane == prev:
+            nnext = int32(node)
+        sib = rk + 1 < ks  # bounded by ks / ds like the heap search (see there)
+        chi = d < ds
+        if sib:  # next sibling first (into the popped slot) ...
+            sc = ps + _logp(s_logp, staged, ks, draft_logp, r, d - 1, rk + 1)
+            if lane == bl:
+                cs = sc
+                cid = int32(npush)
+                crank = int32(rk + 1)
+                cprev = int32(node)
+            npush += 1
+            size += 1
+        if chi:  # ... then first child (into the popped slot when it is free, else a new one)
+            sc = bs + _logp(s_logp, staged, ks, draft_logp, r, d, 0)
+            if lane == (nslots if sib else bl):
+                cs = sc
+                cid = int32(npush)
+                cpar = int32(node)
+                cdep = int32(d + 1)
+                crank = int32(0)
+                cprev = int32(-1)
+            if sib:
+                nslots += 1
+            npush += 1
+            size += 1
+        if not sib and not chi and lane == bl:
+            cs = NEG_INF_F32
+            cid = int32(_NO_ID)
+    if lane <= count:
+        node_parent[lane] = npar
+        node_first[lane] = nfirst
+        node_next[lane] = nnext
+        node_cand[lane] = lane
+        cand_depth[lane] = ndep
+        cand_rank[lane] = nrank
+    return count + 1
+
+
 @cuda.jit
 def tree_build(
     root_token,  # [R] int64
     draft_tokens,  # [R, D, K] int64
     draft_logp,  # [R, D, K] float32
     budget,  # int32 scalar, clamped to NMAX - 1 and MAX_BUDGET
+    warp_max,  # int32 scalar: budgets <= warp_max (<= 31) search in one warp (needs >= 32 threads)
     L,  # [R] int64, committed tokens per request
     tokens,  # out [R, NMAX] int64
     depth,  # out [R, NMAX] int32
@@ -127,8 +272,9 @@ def tree_build(
     """Best-first DDTree per request; grid = R blocks, any block size (128 is a good default).
 
     1. all threads stage the reachable log-probs ``[min(D, nb), min(K, nb)]`` in shared memory;
-    2. thread 0 runs the search touching shared memory only, while other warps zero ``visibility``
-       on ``[0, nb + 1)^2`` (every node index of this budget is below nb + 1);
+    2. warp 0 (nb <= warp_max and min(K, nb) >= 2: :func:`_warp_search`, in registers) or thread 0 (a
+       binary heap in shared memory) runs the search, while other warps zero ``visibility`` on
+       ``[0, nb + 1)^2`` (every node index of this budget is below nb + 1);
     3. every thread writes whole nodes: outputs from shared memory, visibility row by ancestor walk.
     """
     # candidates, indexed by push id: parent node, depth, rank, previously popped sibling (-1: none)
@@ -145,6 +291,8 @@ def tree_build(
     node_next = cuda.shared.array(_NODE_CAP, int16)
     s_logp = cuda.shared.array(_LOGP_CAP, float32)
     n_sh = cuda.shared.array(1, int32)
+    xf = cuda.shared.array(_XCH, float32)  # lane exchange of the warp search (simulator only)
+    xi = cuda.shared.array(_XCH, int32)
 
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -163,7 +311,17 @@ def tree_build(
             s_logp[idx] = draft_logp[r, d, idx - d * ks]
     cuda.syncthreads()
 
-    if tid == 0:
+    # the warp search for trees (ks >= 2); a chain's heap never holds more than one candidate, and there the
+    # heap is faster (H200, D = 15, K = 1, budget 16: heap 8.1 us, warp 10.9; K = 16: 16.0 vs 12.2)
+    in_warp = nb <= min(warp_max, WARP - 1) and ks >= 2 and (nt == WARP if IS_SIM else nt >= WARP)
+    if in_warp:
+        if tid < WARP:
+            n = _warp_search(tid, nb, ds, ks, s_logp, staged, draft_logp, r, xf, xi, cand_depth, cand_rank,
+                             node_cand, node_parent, node_first, node_next)
+            if tid == 0:
+                n_sh[0] = n
+                n_nodes[r] = n
+    elif tid == 0:
         node_score[0] = 0.0
         node_parent[0] = -1
         node_first[0] = -1
@@ -270,7 +428,7 @@ _I64_2 = int64[:, ::1]
 _I32_2 = int32[:, ::1]
 register_ptx(
     tree_build,
-    (_I64_1, int64[:, :, ::1], float32[:, :, ::1], int32, _I64_1,
+    (_I64_1, int64[:, :, ::1], float32[:, :, ::1], int32, int32, _I64_1,
      _I64_2, _I32_2, _I32_2, _I32_2, _I32_2, _I64_2, uint8[:, :, ::1], _I32_1),
 )  # fmt: skip
 
@@ -692,13 +850,15 @@ def alloc_tree(R: int, nmax: int) -> TreeBuffers:
 
 
 def build_tree_gpu(
-    root_token, draft_tokens, draft_logp, budget: int, L, out: TreeBuffers | None = None, threads: int = 128,
-    stream=0,
+    root_token, draft_tokens, draft_logp, budget: int, L, out: TreeBuffers | None = None, threads: int | None = None,
+    stream=0, warp_max: int | None = None,
 ) -> TreeBuffers:
     """Launch ``tree_build`` for R requests.
 
     root_token [R] int64, draft_tokens [R, D, K] int64, draft_logp [R, D, K] float32, L [R] int64,
     budget <= MAX_BUDGET. ``out`` (device arrays, NMAX >= budget + 1) defaults to NMAX = budget + 1.
+    ``threads`` per block (default 128; the simulator 32: one warp, so its warp search runs);
+    trees (K >= 2) of budgets <= ``warp_max`` (default :data:`WARP_SEARCH_MAX`; -1: none) search in one warp.
     Returns device arrays if every input is a device array, else numpy arrays (after a sync).
     """
     ins = (root_token, draft_tokens, draft_logp, L)
@@ -717,9 +877,10 @@ def build_tree_gpu(
         raise ValueError(
             f"outputs [{R}, NMAX] need NMAX >= budget + 1 = {budget + 1}, got {out.tokens.shape}"
         )
+    threads = threads or (WARP if IS_SIM else 128)
     tree_build[R, threads, stream](
         _dev(root_token, np.int64), _dev(draft_tokens, np.int64), _dev(draft_logp, np.float32),
-        np.int32(budget), _dev(L, np.int64), *out,
+        np.int32(budget), np.int32(WARP_SEARCH_MAX if warp_max is None else warp_max), _dev(L, np.int64), *out,
     )  # fmt: skip
     return _host(out) if host else out
 
