@@ -119,7 +119,6 @@ def _logp(s_logp, staged, ks, draft_logp, r, d, k):
     return draft_logp[r, d, k]
 
 
-
 if IS_SIM:  # no shuffles in the simulator: exchange through shared memory (the block is the one warp)
 
     @cuda.jit(device=True, inline="always")
