@@ -122,29 +122,18 @@ def _logp(s_logp, staged, ks, draft_logp, r, d, k):
 if IS_SIM:  # no shuffles in the simulator: exchange through shared memory (the block is the one warp)
 
     @cuda.jit(device=True, inline="always")
-    def _lane_f32(xf, lane, v, src):
-        """v of lane ``src`` (every lane of the warp calls it)."""
+    def _lane(buf, lane, v, src):
+        """v of lane ``src`` (every lane of the warp calls it; ``buf``: a shared array of v's type)."""
         cuda.syncthreads()
-        xf[lane] = v
+        buf[lane] = v
         cuda.syncthreads()
-        return xf[src]
-
-    @cuda.jit(device=True, inline="always")
-    def _lane_i32(xi, lane, v, src):
-        cuda.syncthreads()
-        xi[lane] = v
-        cuda.syncthreads()
-        return xi[src]
+        return buf[src]
 
 else:
 
     @cuda.jit(device=True, inline="always")
-    def _lane_f32(xf, lane, v, src):
-        """v of lane ``src`` (every lane of the warp calls it)."""
-        return cuda.shfl_sync(0xFFFFFFFF, v, src)
-
-    @cuda.jit(device=True, inline="always")
-    def _lane_i32(xi, lane, v, src):
+    def _lane(buf, lane, v, src):
+        """v of lane ``src`` (every lane of the warp calls it; ``buf`` and ``lane`` unused)."""
         return cuda.shfl_sync(0xFFFFFFFF, v, src)
 
 
@@ -188,19 +177,19 @@ def _warp_search(lane, nb, ds, ks, s_logp, staged, draft_logp, r, xf, xi, cand_d
         bl = int32(lane)
         j = 16
         while j >= 1:
-            os_ = _lane_f32(xf, lane, bs, lane ^ j)
-            oi = _lane_i32(xi, lane, bi, lane ^ j)
-            ol = _lane_i32(xi, lane, bl, lane ^ j)
+            os_ = _lane(xf, lane, bs, lane ^ j)
+            oi = _lane(xi, lane, bi, lane ^ j)
+            ol = _lane(xi, lane, bl, lane ^ j)
             if _before(os_, oi, bs, bi):
                 bs = os_
                 bi = oi
                 bl = ol
             j //= 2
-        p = _lane_i32(xi, lane, cpar, bl)
-        d = _lane_i32(xi, lane, cdep, bl)
-        rk = _lane_i32(xi, lane, crank, bl)
-        prev = _lane_i32(xi, lane, cprev, bl)
-        ps = _lane_f32(xf, lane, ns, p)  # the parent's score (p < the new node)
+        p = _lane(xi, lane, cpar, bl)
+        d = _lane(xi, lane, cdep, bl)
+        rk = _lane(xi, lane, crank, bl)
+        prev = _lane(xi, lane, cprev, bl)
+        ps = _lane(xf, lane, ns, p)  # the parent's score (p < the new node)
         size -= 1
         count += 1
         node = count
