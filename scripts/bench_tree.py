@@ -15,6 +15,7 @@ import json
 import numpy as np
 from numba import cuda
 
+from kdt.bench import environment
 from kdt.kernels import ddtree as kd
 from kdt.kernels.bench import time_us
 
@@ -46,9 +47,7 @@ def main() -> None:
                   f"({us['heap'] / us['default']:.2f}x)  same tree: {same}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": cuda.get_current_device().name.decode() if isinstance(
-                cuda.get_current_device().name, bytes) else str(cuda.get_current_device().name), "rows": rows}, f,
-                indent=1)
+            json.dump({"environment": environment("cuda"), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
