@@ -47,14 +47,16 @@ gen-ref: $(STAMP)  ## regenerate the golden fixture (only when the reference its
 # drafter trained further on fresh continuations (session 12: --resume --seed 1) and its acceptance table on
 # kdt's CUDA engine. Needs a CUDA GPU and the train extra; GPU training is
 # not bitwise repeatable, so the numbers come out close to, not equal to, docs/PERF.md's.
-train-demo: $(STAMP)  ## retrain fixtures/model_code.h5 (target + drafter) on a GPU, ~20 minutes
+train-demo: $(STAMP)  ## retrain fixtures/model_code.h5 (target + drafter) on a GPU, ~30 minutes
 	$(BIN)/pip install -q -e '.[train]'
 	$(BIN)/python scripts/train_target.py --device cuda --steps 5458 --minutes 0 --batch 64 --warmup 100 \
 		--fixture $(CODE_MODEL)
 	$(BIN)/kdt train-drafter $(CODE_MODEL) --device cuda --steps 2489 --minutes 0 --layers 3 --intermediate 1024 \
 		--sequences 65536 --batch 256 --anchors 16 --eval-prompts 0
 	$(BIN)/kdt train-drafter $(CODE_MODEL) --resume --device cuda --steps 3885 --minutes 0 --sequences 65536 \
-		--batch 256 --anchors 16 --seed 1 --lr 0.001 --backend cuda --dtype bf16
+		--batch 256 --anchors 16 --seed 1 --lr 0.001 --eval-prompts 0
+	$(BIN)/kdt train-drafter $(CODE_MODEL) --resume --device cuda --steps 3893 --minutes 0 --sequences 65536 \
+		--batch 256 --anchors 16 --seed 2 --lr 0.0007 --backend cuda --dtype bf16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -21,6 +21,15 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember the ex
 parts() {  # parts FILE: FILE into $OUT in 15 MB pieces (the device returns at most 8 files of 16 MiB each);
   # put it back together with: cat NAME.part* > NAME
   split -b 15000000 -d "$1" "$OUT/$(basename "$1").part"
+}
+tests_beside_verify() {  # tests_beside_verify PYTEST_ARGS...: gpu tests (280 s at most) in the background while
+  # kdt verify runs tiny (fp32) and model_code (bf16) on CUDA; then the tests' summary
+  ( timeout 280 python3 -m pytest -q -m gpu "$@" -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  step verify_cuda_fp32 150 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+  step verify_code_cuda 120 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 case "$MODE" in
@@ -482,7 +491,47 @@ s12c)  # session 12's last call: the split combine in the W_uv projection's laun
   step bench_tiny 60 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
     --json "$OUT/bench-$day-tiny-s12c.json"
   cat "$OUT/bench_tree.log"; grep -h "budget\|acceptance" "$OUT"/drafter_*.log | cut -c1-200 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c"; exit 2 ;;
+s13a)  # session 13's first call: the warp search's one lane helper (session 12's last commits) on the H200: the
+  # ddtree / engine / MLA gpu tests beside kdt verify; then alone: where a step's time goes (tiny AR / oracle chain,
+  # model_code AR / learned budget 16), kernel by kernel
+  tests_beside_verify tests/test_ddtree_kernels.py tests/test_engine_cuda.py \
+    "tests/test_kernels_mla.py::test_mla_chain_gpu_code_shape"
+  step profile 200 python3 scripts/profile_kernels.py --cases tiny,code --json "$OUT/profile-kernels-$day-s13a.json"
+  grep -v "^ *$" "$OUT/profile.log" | cut -c1-160 ;;
+s13b)  # session 13, issue 8: fewer DDTree-only launches (the block's rows in stage_draft, the feature copies in MoE
+  # kernel C) and the drafter trained further (carry out/resumed.h5): the gpu tests beside kdt verify; then alone:
+  # the resumed drafter's table with bf16 weights and with float32 (the drafter was trained on the float32 target)
+  tests_beside_verify tests/test_ddtree_kernels.py tests/test_engine_cuda.py \
+    "tests/test_kernels_moe.py::test_moe_forward_code_shape_gpu"
+  step drafter_resumed 170 python3 -m kdt.cli train-drafter out/resumed.h5 --eval-only --backend cuda --dtype bf16 \
+    --json "$OUT/drafter-$day-model_code-cuda-s13-resumed-bf16.json"
+  step drafter_resumed_fp32 ${FP32_TIMEOUT:-200} python3 -m kdt.cli train-drafter out/resumed.h5 --eval-only \
+    --backend cuda --dtype float32 --json "$OUT/drafter-$day-model_code-cuda-s13-resumed-fp32.json"
+  grep -h "budget\|acceptance\| ar \|chain" "$OUT"/drafter_*.log | cut -c1-200 ;;
+s13c)  # session 13: draft_topk's rank path; then this code against the code before the session (carry out/base13 =
+  # `git archive 0733207 kdt` and out/resumed.h5) on one machine with the same drafter: the full table, then
+  # budget 16 with the code before and again with this code. As run; the rank path was reverted after it (no
+  # measured gain; the eager profile of s13d timed it slower than the sort)
+  ( timeout 200 python3 -m pytest -q -m gpu tests/test_ddtree_kernels.py tests/test_engine_cuda.py -k "topk or learned" \
+      -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  step verify_code_cuda 120 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
+  step drafter_after 170 python3 -m kdt.cli train-drafter out/resumed.h5 --eval-only --backend cuda --dtype bf16 \
+    --json "$OUT/drafter-$day-model_code-cuda-s13-after.json"
+  OUTA=$(cd "$OUT" && pwd)
+  ( cd out/base13 && OUT=$OUTA KDT_CACHE_DIR=/tmp/kdt_cache_base step drafter_before 150 python3 -m kdt.cli \
+      train-drafter ../resumed.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 \
+      --json "$OUTA/drafter-$day-model_code-cuda-s13-before.json"; printf '%s\n' "${summary[-1]}" )
+  step drafter_after2 60 python3 -m kdt.cli train-drafter out/resumed.h5 --eval-only --backend cuda --dtype bf16 \
+    --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s13-after2.json"
+  grep -h "budget\|acceptance\| ar \|chain" "$OUT"/drafter_*.log | cut -c1-200 ;;
+s13d)  # session 13's last call: kdt verify of model_code.h5 with the drafter trained further (now the fixture's), then
+  # where the learned step's time goes kernel by kernel (compare s13a: the launches this session removed)
+  step verify_code_cuda 130 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  step profile 90 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-s13d.json"
+  grep -v "^ *$" "$OUT/profile.log" | cut -c1-160 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

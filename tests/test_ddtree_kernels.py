@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.kernels.ddtree import (
     _LOGP_CAP,
     _NODE_CAP,
@@ -352,23 +353,32 @@ def test_topk_validates():
 
 
 @pytest.mark.kernels
-def test_stage_draft_and_gather_accepted(rng):
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_stage_draft_and_gather_accepted(rng, wdtype):
     """stage_draft: B context rows (n_ctx valid) at L_ctx + i, then the block at L + j, the [2B, 2B]
-    mask (context causal, the block sees the valid context and itself); without the block, the context
+    mask (context causal, the block sees the valid context and itself) and the block's input rows (the
+    root's embedding, the mask rows; the context rows' x untouched); without the block, the context
     rows only. gather_accepted: the accepted rows of every feature layer side by side, zeros after
     n_acc, and the next context's count and first position."""
-    B, L_ctx, n_ctx, L, root = 4, 9, 2, 11, 42
+    B, L_ctx, n_ctx, L, root, V, Dx = 4, 9, 2, 11, 42, 50, 40
     dev = cuda.to_device
-    for with_block in (1, 0):
+    embed32 = rng.standard_normal((V, Dx)).astype(np.float32)
+    embed = f32_to_bf16_bits(embed32) if wdtype == "bf16" else embed32
+    embed_row = bf16_bits_to_f32(embed[root]) if wdtype == "bf16" else embed32[root]
+    mask_rows = rng.standard_normal((B - 1, Dx)).astype(np.float32)
+    for with_block in (True, False):
         M = 2 * B if with_block else B
         tokens, positions, L_out = (dev(poisoned(n, np.int64)) for n in (2 * B, 2 * B, 1))
         vis = dev(np.full(4 * B * B, 0xAB, np.uint8))
-        stage_draft[4, 32](dev(np.array([L_ctx], np.int64)), dev(np.array([n_ctx], np.int32)),
-                           dev(np.array([L], np.int64)), dev(np.array([root], np.int64)), np.int32(B),
-                           np.int32(with_block), tokens, positions, L_out, vis)
+        x = dev(poisoned((2 * B + 1, Dx)))
+        stage_draft(dev(np.array([L_ctx], np.int64)), dev(np.array([n_ctx], np.int32)), dev(np.array([L], np.int64)),
+                    dev(np.array([root], np.int64)), B, with_block, tokens, positions, L_out, vis, dev(embed),
+                    dev(mask_rows), x)
         want_pos = np.concatenate([L_ctx + np.arange(B), L + np.arange(B)])[:M]
         np.testing.assert_array_equal(positions.copy_to_host()[:M], want_pos)
         assert (positions.copy_to_host()[M:] == -7777).all() and L_out.copy_to_host()[0] == L_ctx
+        xh = x.copy_to_host()
+        assert np.isnan(xh[:B]).all() and np.isnan(xh[2 * B:]).all()  # only the block's rows are written
         if with_block:
             assert tokens.copy_to_host()[B] == root
             want = np.zeros((M, M), np.uint8)
@@ -376,8 +386,10 @@ def test_stage_draft_and_gather_accepted(rng):
             want[B:, :n_ctx] = 1
             want[B:, B:] = 1
             np.testing.assert_array_equal(vis.copy_to_host().reshape(M, M), want)
+            np.testing.assert_array_equal(xh[B: 2 * B], np.concatenate([embed_row[None], mask_rows]))
         else:
             assert (tokens.copy_to_host() == -7777).all() and (vis.copy_to_host() == 0xAB).all()
+            assert np.isnan(xh[B: 2 * B]).all()
     F, Mx, D = 3, 9, 6
     feat = rng.standard_normal((F, Mx, D)).astype(np.float32)
     accepted = np.array([[0, 2, 5, -1, -1, -1]], np.int32)

@@ -350,6 +350,50 @@ def test_moe_forward_matches_reference(rng, overrides, dtype, M, accumulate, ver
         assert rel_err(got, base + MoE(cfg, w, PREFIX, np.float64)(b64)) < BF16_VS_FP32_BOUND
 
 
+TEE_CASES = [
+    # cfg overrides, M, accumulate
+    ({}, 1, False),
+    (dict(n_shared_experts=0), 1, True),
+    ({}, 5, True),
+    (dict(n_shared_experts=0), 5, False),
+]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("version", ["1", "2", "2-fallback"])
+@pytest.mark.parametrize("overrides,M,accumulate", TEE_CASES)
+def test_moe_forward_tee(rng, monkeypatch, overrides, M, accumulate, version):
+    """moe_forward(..., tee=) leaves tee[:M] == out[:M] bit for bit (version 2: kernel C's combine;
+    version 1 and version 2's fallback past V2_MAX_PAIRS: a copy launch), tee's rows past M untouched
+    (NaN), and out bit-identical to the same call without tee."""
+    if version == "2-fallback":
+        monkeypatch.setattr(moe, "V2_MAX_PAIRS", 0)
+    cfg = _cfg(**overrides)
+    w = _layer_weights(rng, cfg)
+    D, M_max = cfg.hidden_size, M + 2
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
+    d_b = cuda.to_device(np.concatenate([_draw_b(rng, cfg, w, M), poisoned((M_max - M, D))]))
+    x0 = rng.standard_normal((M, D)).astype(np.float32)
+
+    def run(tee):  # -> out[M_max, D] on the host
+        out_h = poisoned((M_max, D))
+        if accumulate:
+            out_h[:M] = x0
+        out = cuda.to_device(out_h)
+        moe.moe_forward(d_b, layer, moe.MoEScratch.allocate(cfg, M_max), out, M=M, accumulate=accumulate,
+                        version=int(version[0]), tee=tee)
+        return out.copy_to_host()
+
+    want = run(None)
+    d_tee = cuda.to_device(poisoned((M_max, D)))
+    got = run(d_tee)
+    tee = d_tee.copy_to_host()
+    assert not np.isnan(got[:M]).any() and np.all(np.isnan(got[M:]))
+    assert np.array_equal(got[:M], want[:M]), "out must not change with a tee"
+    assert np.array_equal(tee[:M], got[:M]), "tee[:M] must be out[:M] bit for bit"
+    assert np.all(np.isnan(tee[M:])), "tee rows past M must not be written"
+
+
 # ---- version 2 (three launches) --------------------------------------------------------------------
 def _check_v2_state(cfg, b, w, scratch, M):
     """Routing and grouping left in the scratch by a version-2 forward vs the references: logits vs
@@ -539,7 +583,8 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
 @pytest.mark.parametrize("M", [1, 16, 17, 65])
 def test_moe_forward_code_shape_gpu(rng, M):
     """model_code's MoE layer (D 256, I 128, E 8, k 2, 1 shared), bf16, at the DDTree steps' M: the
-    small-model launch shapes (kernel C one expert per block, kernel A's 2-token tiles) against float64."""
+    small-model launch shapes (kernel C one expert per block, kernel A's 2-token tiles) against float64,
+    with a tee (kernel C's second output: out's rows bit for bit)."""
     from kdt.fixture import read_config
 
     cfg = read_config(str(Path(__file__).resolve().parent.parent / "fixtures" / "model_code.h5"))
@@ -547,9 +592,13 @@ def test_moe_forward_code_shape_gpu(rng, M):
     layer, scratch = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16), moe.MoEScratch.allocate(cfg, 65)
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))
-    moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False)
-    assert rel_err(out.copy_to_host(), MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))) < BF16_BOUND
+    tee = cuda.to_device(poisoned((M + 1, cfg.hidden_size)))  # the engine's feature copy, in kernel C
+    moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, tee=tee)
+    got = out.copy_to_host()
+    assert rel_err(got, MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))) < BF16_BOUND
     _check_v2_state(cfg, b, w, scratch, M)
+    t = tee.copy_to_host()
+    assert np.array_equal(t[:M], got) and np.all(np.isnan(t[M:]))
 
 
 class _LazyExperts:

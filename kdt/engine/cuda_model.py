@@ -314,6 +314,9 @@ class DecoderStack:
         x, a = b.x[:M], b.a[:M]
         vis = b.vis[: M * M].reshape(M, M) if vis is None else vis
         for i, lw in enumerate(self.layers):
+            # a feature layer's output rows (the drafter's features) go to feat[j]: written by the MoE's
+            # last launch (its tee), after a dense layer by a copy
+            feat = self.feat[self.feature_layers.index(i), :M] if i in self.feature_layers else None
             linear(x, lw.qkv_a, b.qkv[:M], stream=s, norm=(lw.input_layernorm, eps, a))  # [q_a (or q) | c]
             qkv = b.qkv[:M]
             if lw.q_proj is None:
@@ -331,14 +334,14 @@ class DecoderStack:
             linear(b.o[:M], lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
             if lw.moe is not None:
                 ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s)
-                moe.moe_forward(a, lw.moe, b.moe, x, M=M, accumulate=True, stream=s)
+                moe.moe_forward(a, lw.moe, b.moe, x, M=M, accumulate=True, stream=s, tee=feat)
                 if self.record_experts is not None:
                     self.record_experts.append(int(b.moe.n_active.copy_to_host()[0]))
             else:
                 moe.dense_mlp(x, lw.mlp_gate_up, lw.mlp_down, b.h, x, M=M, accumulate=True, stream=s,
                               norm=(lw.post_attention_layernorm, eps, a))
-            if i in self.feature_layers:
-                ew.copy(x, self.feat[self.feature_layers.index(i), :M], stream=s)
+                if feat is not None:
+                    ew.copy(x, feat, stream=s)
 
 
 class CudaModel(DecoderStack):
@@ -493,12 +496,11 @@ class CudaDraftModel(DecoderStack):
     def step_program(self, stream=0) -> None:
         """2B rows in one forward: B pending context rows (slots [L, L + B), causal), then the block
         (slots [L + B, L + 2B), positions from the root's) -> logits[:B-1] of depths 1..B-1. Inputs
-        staged on the device by :func:`kdt.kernels.ddtree.stage_draft` (mask ``vis_step``)."""
+        staged on the device by :func:`kdt.kernels.ddtree.stage_draft`: positions, the mask
+        ``vis_step`` and the block's rows x[B:2B] (the root's embedding, the mask rows)."""
         b, eps, s, B = self.buf, self.cfg.rms_norm_eps, stream, self.dcfg.block_size
         linear(self.feat_in[:B], self.fc, b.x[:B], stream=s)
         ew.rmsnorm(b.x[:B], self.hidden_norm, eps, b.x[:B], stream=s)
-        ew.embedding(b.tokens[B: B + 1], self.embed_tokens, b.x[B: B + 1], stream=s)
-        ew.copy(self.mask_rows, b.x[B + 1: 2 * B], stream=s)
         self._layers(2 * B, s, self.vis_step.reshape(2 * B, 2 * B))
         linear(b.x[B + 1: 2 * B], self.lm_head, b.logits[: B - 1], stream=s, norm=(self.norm, eps, b.a[B + 1: 2 * B]))
 

@@ -224,8 +224,8 @@ class StepGraph:
         if dm is None or self.drafter is None or int(dm.n_ctx.copy_to_host()[0]) == 0:
             return
         B, db = dm.dcfg.block_size, dm.buf
-        kd.stage_draft[1, B](dm.L_ctx, dm.n_ctx, self.model.buf.L, self.ops.root, np.int32(B), np.int32(0),
-                             db.tokens, db.positions, db.L, dm.vis_step)
+        kd.stage_draft(dm.L_ctx, dm.n_ctx, self.model.buf.L, self.ops.root, B, False, db.tokens, db.positions, db.L,
+                       dm.vis_step, dm.embed_tokens, dm.mask_rows, db.x)
         dm.context_program(B, dm.vis_causal)
         dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
         self.drafter.committed = L
@@ -238,9 +238,8 @@ class StepGraph:
         dm = self.draft_model if device_draft else None
         if dm is not None:  # the drafter: last step's context rows + this root's block, then top-K per depth
             B, db = dm.dcfg.block_size, dm.buf
-            kd.stage_draft[cdiv(4 * B * B, _STAGE_THREADS), _STAGE_THREADS, s](
-                dm.L_ctx, dm.n_ctx, b.L, ops.root, np.int32(B), np.int32(1), db.tokens, db.positions, db.L,
-                dm.vis_step)
+            kd.stage_draft(dm.L_ctx, dm.n_ctx, b.L, ops.root, B, True, db.tokens, db.positions, db.L, dm.vis_step,
+                           dm.embed_tokens, dm.mask_rows, db.x, stream=s)
             dm.step_program(s)
             kd.topk_gpu(db.logits[:D], d_tok, d_logp, stream=s)
         kd.build_tree_gpu(ops.root, d_tok, d_logp, budget, b.L, out=t, stream=s)

@@ -33,14 +33,15 @@ at budget 16, the warp 10.9).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int16, int32, int64, uint8
+from numba import cuda, float32, int16, int32, int64, uint8, uint16
 
-from kdt.kernels.common import IS_SIM, WARP, cdiv, device_scalar, register_ptx
+from kdt.kernels.common import IS_SIM, WARP, cdiv, device_scalar, register_ptx, weight_loader
 
 MAX_BUDGET = 512  # largest tree (drafted nodes) tree_build can hold in shared memory
 _CAND_CAP = 2 * MAX_BUDGET + 2  # pushes: 1 + at most 2 per pop
@@ -711,31 +712,60 @@ def draft_topk(logits, out_tok, out_logp):
 register_ptx(draft_topk, (float32[:, ::1], int64[:, :, ::1], float32[:, :, ::1]))
 
 
-@cuda.jit
-def stage_draft(L_ctx, n_ctx, L_target, root, B, with_block, tokens, positions, L_out, vis):
-    """The learned drafter's rows in a device DDTree step. B context rows: the previous step's accepted
-    nodes (n_ctx[0] of them valid, the rest padding) at positions L_ctx[0] + i; with ``with_block``,
-    then the block [root, mask x (B-1)] at positions L + j (L = L_target[0], the root's position).
-    Writes positions[:B or 2B], L_out[0] = L_ctx[0] (the rows' cache slots follow it), tokens[B] =
-    root, and with the block the [2B, 2B] mask vis: context rows causal among themselves; block rows
-    see the valid context rows and the whole block. One thread per element of the mask."""
-    t = cuda.grid(1)
-    Lc = L_ctx[0]
-    M = 2 * B if with_block else B
-    if t < M:
-        positions[t] = Lc + t if t < B else L_target[0] + (t - B)
-    if t == 0:
-        L_out[0] = Lc
-        if with_block:
-            tokens[B] = root[0]
-    if with_block and t < M * M:
-        i = t // M
-        j = t - i * M
-        see = j <= i if i < B else (j < n_ctx[0] or j >= B)
-        vis[t] = 1 if see else 0
+@functools.cache
+def _stage_draft_kernel(dtype):
+    load = weight_loader(dtype)
+
+    @cuda.jit
+    def stage_draft(L_ctx, n_ctx, L_target, root, B, with_block, tokens, positions, L_out, vis, embed, mask_rows, x):
+        """The learned drafter's rows in a device DDTree step. B context rows: the previous step's
+        accepted nodes (n_ctx[0] of them valid, the rest padding) at positions L_ctx[0] + i; with
+        ``with_block``, then the block [root, mask x (B-1)] at positions L + j (L = L_target[0], the
+        root's position). Writes positions[:B or 2B], L_out[0] = L_ctx[0] (the rows' cache slots follow
+        it), tokens[B] = root, and with the block the [2B, 2B] mask vis (context rows causal among
+        themselves; block rows see the valid context rows and the whole block) and the block's input
+        rows x[B:2B, :D] = [embed[root], mask_rows[0..B-2]] (embed [V, D] f32 or bf16, mask_rows
+        [B-1, D] f32, x f32). One thread per element of the mask; the threads stride over x's rows."""
+        t = cuda.grid(1)
+        Lc = L_ctx[0]
+        M = 2 * B if with_block else B
+        if t < M:
+            positions[t] = Lc + t if t < B else L_target[0] + (t - B)
+        if t == 0:
+            L_out[0] = Lc
+            if with_block:
+                tokens[B] = root[0]
+        if not with_block:
+            return
+        if t < M * M:
+            i = t // M
+            j = t - i * M
+            see = j <= i if i < B else (j < n_ctx[0] or j >= B)
+            vis[t] = 1 if see else 0
+        D = x.shape[1]
+        r = root[0]
+        for e in range(t, B * D, cuda.gridsize(1)):
+            i = e // D
+            c = e - i * D
+            x[B + i, c] = load(embed[r, c]) if i == 0 else mask_rows[i - 1, c]
+
+    return stage_draft
 
 
-register_ptx(stage_draft, (_I64_1, _I32_1, _I64_1, _I64_1, int32, int32, _I64_1, _I64_1, _I64_1, uint8[::1]))
+def stage_draft(L_ctx, n_ctx, L_target, root, B: int, with_block: bool, tokens, positions, L_out, vis, embed,
+                mask_rows, x, stream=0) -> None:
+    """:func:`_stage_draft_kernel`'s kernel (its docstring) over max(4 B^2, B) threads."""
+    n = 4 * B * B if with_block else B
+    _stage_draft_kernel(np.dtype(embed.dtype))[cdiv(n, _STAGE_NT), _STAGE_NT, stream](
+        L_ctx, n_ctx, L_target, root, np.int32(B), np.int32(1 if with_block else 0), tokens, positions, L_out, vis,
+        embed, mask_rows, x)
+
+
+_STAGE_NT = 256
+for _dt, _emb in (("float32", float32[:, ::1]), ("uint16", uint16[:, ::1])):
+    register_ptx(_stage_draft_kernel(_dt), (_I64_1, _I32_1, _I64_1, _I64_1, int32, int32, _I64_1, _I64_1, _I64_1,
+                                            uint8[::1], _emb, float32[:, ::1], float32[:, ::1]),
+                 name=f"stage_draft[{_dt}]")
 
 
 @cuda.jit

@@ -714,6 +714,8 @@ def moe_combine(y_sorted, pos_of, topk_w, out, accumulate: bool = True, M: int |
 #             experts' down projection into y_shared (other blocks of the same launch).
 # C  down:    block = NR_C rows of D for *every* active expert (equal work per block), then the
 #             deterministic combine of those rows: out[m] (+)= y_shared[m] + sum_slot w * y[pos_of[m, slot]].
+#             With a tee (moe_forward's tee=) the combine also stores each final out row there (the
+#             engine's feature copy, without a launch of its own).
 # Activations that a GEMM reads as X are kept "word-permuted" (b_perm, h, h_shared): element d of a row
 # lies at (d % EPW) * (K / EPW) + d // EPW, so for each element jj of a weight word the 32 lanes read 32
 # consecutive floats (one 128-byte wavefront) instead of 32 floats 8-16 bytes apart.
@@ -1228,7 +1230,8 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
     the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
     expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
     tickets[x] back to 0 after) combines the tile for the M tokens in slot order (no float atomics):
-    out[m, d] (+)= y_shared[m, d] + sum_slot topk_w[m, slot] * y[pos_of[m, slot], d]."""
+    out[m, d] (+)= y_shared[m, d] + sum_slot topk_w[m, slot] * y[pos_of[m, slot], d], and with has_tee
+    the same value into tee[m, d] (tee[>= M, D] f32; untouched without has_tee)."""
     key = ("C", nw, epw, nr, tt, u, cs)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
@@ -1239,8 +1242,8 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
     red_f = _v2_reduce(NR, TT)
     pick = _v2_pick(NR, TT)
 
-    def kern(h, wdn, y, active, n_active, offsets, counts, pos_of, topk_w, y_shared, out, tickets, M, jc,
-             n_chunks, accumulate, has_shared):
+    def kern(h, wdn, y, active, n_active, offsets, counts, pos_of, topk_w, y_shared, out, tee, tickets, M, jc,
+             n_chunks, accumulate, has_shared, has_tee):
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -1292,7 +1295,10 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
                 v = out[m, d] if accumulate else float32(0.0)
                 if has_shared:
                     v = v + y_shared[m, d]
-                out[m, d] = v + s_acc
+                v = v + s_acc
+                out[m, d] = v
+                if has_tee:
+                    tee[m, d] = v
         if tid == 0:
             tickets[x] = 0
 
@@ -1403,8 +1409,10 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
             _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs))
 
 
-def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None) -> list[V2Launch]:
-    """Version 2's launches for M tokens, in order (see the "version 2" section)."""
+def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
+                tee=None) -> list[V2Launch]:
+    """Version 2's launches for M tokens, in order (see the "version 2" section). tee[>= M, D] f32:
+    kernel C also writes the final out rows there (see :func:`moe_forward`)."""
     E, k, I, D = L.E, L.top_k, L.I, L.D
     t = tiles or v2_tiles(M, k, E, D)
     ka, kb, kc = _v2_kernels(t, L._epw)
@@ -1431,12 +1439,13 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
     nc = cdiv(D, t.nw_c * t.nr_c) * n_chunks
     c = V2Launch("C down+combine", kc, nc, t.nw_c * WARP, nc, (
         S.h, L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
-        S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared)))
+        out if tee is None else tee,  # (never written without a tee)
+        S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared), tee is not None))
     return [a, bb, c]
 
 
-def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Tiles | None) -> None:
-    for launch in v2_launches(b, L, S, out, M, accumulate, tiles):
+def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Tiles | None, tee=None) -> None:
+    for launch in v2_launches(b, L, S, out, M, accumulate, tiles, tee):
         launch(stream)
 
 
@@ -1582,7 +1591,7 @@ def _v2_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
 
 def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = None,
                 accumulate: bool = True, stream=0, version: int | None = None,
-                tiles: V2Tiles | None = None) -> None:
+                tiles: V2Tiles | None = None, tee=None) -> None:
     """out[M, D] (+)= moe(b[M, D]) (SPEC section 1) entirely on the GPU, no host synchronisation.
 
     ``version`` (default: module ``VERSION``, env ``KDT_MOE_VERSION``):
@@ -1594,19 +1603,23 @@ def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = 
       overrides :func:`v2_tiles` (benchmarks).
 
     Grids depend only on M and the config, so the sequence can be captured in a CUDA graph per M.
-    b[>= M, D] f32, out[>= M, D] f32.
+    b[>= M, D] f32, out[>= M, D] f32. tee[>= M, D] f32: also receives the final out rows (the engine's
+    feature copy, in kernel C's launch); version 1 (and the v2 fallback) writes it with a copy launch
+    after the layer.
     """
     M = b.shape[0] if M is None else int(M)
     if M > scratch.M_max:
         raise ValueError(f"moe_forward: M={M} > scratch.M_max={scratch.M_max}")
     if M <= 0:
         return
+    if tee is not None and (len(tee.shape) != 2 or tee.shape[0] < M or tee.shape[1] != out.shape[1]):
+        raise ValueError(f"moe_forward: tee {tuple(tee.shape)} for M={M}, D={out.shape[1]}")
     L, S = layer, scratch
     use_v2 = version == 2 if version is not None else (VERSION == 2 and M <= V2_MAX_M)
     if use_v2 and _v2_supported(L, S, M):
         if L.n_group > 1 and (L.E % L.n_group or L.E // L.n_group < 2 or not 1 <= L.topk_group <= L.n_group):
             raise ValueError(f"moe_forward: E={L.E}, n_group={L.n_group}, topk_group={L.topk_group}")
-        _moe_forward_v2(b, L, S, out, M, accumulate, stream, tiles)
+        _moe_forward_v2(b, L, S, out, M, accumulate, stream, tiles, tee)
         return
     E, k, I, D = L.E, L.top_k, L.I, L.D
     P = M * k
@@ -1629,6 +1642,8 @@ def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = 
                    accumulate=accumulate, stream=stream, **idx)
         accumulate = True
     moe_combine(S.y, S.pos_of, S.topk_w, out, accumulate=accumulate, M=M, stream=stream)
+    if tee is not None:
+        ew.copy(out[:M], tee[:M], stream=stream)
 
 
 # ---- sm_90 compile check --------------------------------------------------------------------------
@@ -1650,7 +1665,7 @@ def _register() -> None:
     sig_a = (f2, u3, float32[::1], f2, f2, u3, f2, i2, f2, i1, i1, i1, i1, i2, i1, i1, i1, int64, int64, int64,
              int64, boolean, float64, int64)
     sig_b = (f2, u3, f2, i1, i1, i1, i1, i1, f2, u3, f2, int64, int64, int64)
-    sig_c = (f2, u3, f2, i1, i1, i1, i1, i2, f2, f2, f2, i1, int64, int64, int64, boolean, boolean)
+    sig_c = (f2, u3, f2, i1, i1, i1, i1, i2, f2, f2, f2, f2, i1, int64, int64, int64, boolean, boolean, boolean)
     seen: set[int] = set()
     shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
