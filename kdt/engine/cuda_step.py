@@ -29,8 +29,6 @@ from kdt.kernels import elementwise as ew
 from kdt.kernels.common import cdiv
 from kdt.reference.decode import TreeOps
 
-_STAGE_THREADS = 256
-
 
 @dataclass
 class GpuTree:
@@ -45,7 +43,7 @@ def stage_tree(tree: kd.TreeBuffers, n: int, model: CudaModel, stream=0) -> None
     """The first ``n`` nodes of request 0 of ``tree`` into the model's forward inputs (tokens,
     positions, the [n, n] visibility block), on the device."""
     b = model.buf
-    kd.stage_tree[max(1, cdiv(n * n, _STAGE_THREADS)), _STAGE_THREADS, stream](
+    kd.stage_tree[max(1, cdiv(n * n, kd.STAGE_THREADS)), kd.STAGE_THREADS, stream](
         tree.tokens, tree.positions, tree.visibility, tree.n_nodes, np.int32(0), b.tokens, b.positions, b.vis)
     b.vis_host = None  # b.vis now holds the tree's mask
 

@@ -551,6 +551,9 @@ register_ptx(kv_compact, (float32[:, :, ::1], float32[:, :, ::1], _I64_1, _I32_1
 # --------------------------------------------------------------------------------------------------
 
 
+STAGE_THREADS = 256  # block of the staging kernels (stage_tree, stage_draft): one thread per mask element
+
+
 @cuda.jit
 def stage_tree(
     tokens,  # [R, NMAX] int64 (tree_build output)
@@ -756,12 +759,11 @@ def stage_draft(L_ctx, n_ctx, L_target, root, B: int, with_block: bool, tokens, 
                 mask_rows, x, stream=0) -> None:
     """:func:`_stage_draft_kernel`'s kernel (its docstring) over max(4 B^2, B) threads."""
     n = 4 * B * B if with_block else B
-    _stage_draft_kernel(np.dtype(embed.dtype))[cdiv(n, _STAGE_NT), _STAGE_NT, stream](
+    _stage_draft_kernel(np.dtype(embed.dtype))[cdiv(n, STAGE_THREADS), STAGE_THREADS, stream](
         L_ctx, n_ctx, L_target, root, np.int32(B), np.int32(1 if with_block else 0), tokens, positions, L_out, vis,
         embed, mask_rows, x)
 
 
-_STAGE_NT = 256
 for _dt, _emb in (("float32", float32[:, ::1]), ("uint16", uint16[:, ::1])):
     register_ptx(_stage_draft_kernel(_dt), (_I64_1, _I32_1, _I64_1, _I64_1, int32, int32, _I64_1, _I64_1, _I64_1,
                                             uint8[::1], _emb, float32[:, ::1], float32[:, ::1]),
