@@ -56,7 +56,9 @@ train-demo: $(STAMP)  ## retrain fixtures/model_code.h5 (target + drafter) on a 
 	$(BIN)/kdt train-drafter $(CODE_MODEL) --resume --device cuda --steps 3885 --minutes 0 --sequences 65536 \
 		--batch 256 --anchors 16 --seed 1 --lr 0.001 --eval-prompts 0
 	$(BIN)/kdt train-drafter $(CODE_MODEL) --resume --device cuda --steps 3893 --minutes 0 --sequences 65536 \
-		--batch 256 --anchors 16 --seed 2 --lr 0.0007 --backend cuda --dtype bf16
+		--batch 256 --anchors 16 --seed 2 --lr 0.0007 --eval-prompts 0
+	$(BIN)/kdt train-drafter $(CODE_MODEL) --resume --device cuda --steps 3561 --minutes 0 --sequences 65536 \
+		--batch 256 --anchors 16 --seed 3 --lr 0.0005 --backend cuda --dtype bf16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

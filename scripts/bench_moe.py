@@ -1,4 +1,5 @@
-"""MoE layer, version 1 (8 launches) vs version 2 (3 launches), GPU time only, on the H200.
+"""MoE layer, version 1 (8 launches) vs version 2 (3 launches) (vs the small path for small layers), GPU time
+only, on the H200.
 
     python scripts/bench_moe.py [--presets moonlight-16b-a3b,kimi-k2] [--M 1,16,64] [--dtype bf16]
                                 [--sweep | --previous] [--parts] [--json PATH]
@@ -110,6 +111,8 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: fl
     for M in Ms:
         b, out = rand((M, D)), cuda.device_array((M, D), np.float32)
         variants: list[tuple[str, int, moe.V2Tiles | None]] = [("v1", 1, None), ("v2", 2, None)]
+        if scratch.h_all is not None and M <= moe.SMALL_MAX_M:  # a small layer: the small path too
+            variants.append(("v3 small", 3, None))
         if sweep:
             variants += [(f"v2 {n}", 2, t) for n, t in
                          (sweep_variants if sweep == "all" else previous_defaults)(M, k, E, D)]

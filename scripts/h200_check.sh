@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -531,7 +531,62 @@ s13d)  # session 13's last call: kdt verify of model_code.h5 with the drafter tr
   step verify_code_cuda 130 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
   step profile 90 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-s13d.json"
   grep -v "^ *$" "$OUT/profile.log" | cut -c1-160 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d"; exit 2 ;;
+s14t)  # session 14's first call: the drafter trained a fourth time (seed 3, a lower peak lr) in the foreground, while
+  # in the background the gpu tests of commit 788a1f2 (ddtree, engine, MLA and MoE code shapes) and kdt verify of
+  # tiny (fp32) and model_code (bf16, session 13's drafter) run, each in its own process (cold compiles take minutes)
+  ( timeout 420 python3 -m pytest -q -m gpu tests/test_ddtree_kernels.py tests/test_engine_cuda.py \
+      "tests/test_kernels_mla.py::test_mla_chain_gpu_code_shape" "tests/test_kernels_moe.py::test_moe_forward_code_shape_gpu" \
+      -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  ( step verify_cuda_fp32 420 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+    printf '%s\n' "${summary[@]}" > "$OUT/verify_tiny.txt" ) &
+  ( step verify_code_cuda 450 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+    printf '%s\n' "${summary[@]}" > "$OUT/verify_code.txt" ) &
+  step train_resume ${DRAFT_TIMEOUT:-540} python3 -m kdt.cli train-drafter fixtures/model_code.h5 --resume \
+    --out /tmp/resumed.h5 --device cuda --minutes ${DRAFT_MIN:-6.5} --sequences 65536 --batch 256 \
+    --anchors 16 --seed ${DRAFT_SEED:-3} --lr ${DRAFT_LR:-0.0005} --eval-prompts 0
+  wait
+  cat "$OUT/verify_tiny.txt" "$OUT/verify_code.txt"; rm -f "$OUT"/verify_*.txt
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
+  grep -h "eval\|wrote" "$OUT/train_resume.log" | tail -n 4 | cut -c1-300
+  [ -f /tmp/resumed.h5 ] && parts /tmp/resumed.h5 ;;
+s14a)  # session 14: the small-layer MoE path (two launches, every expert for every token; carry out/resumed14.h5, the
+  # drafter trained a fourth time in s14t): gpu tests (MoE code shape both paths, the engine) beside kdt verify; then
+  # alone: the resumed drafter's table with the small path, the same drafter at budget 16 with it off
+  # (KDT_MOE_SMALL=0: version 2, the code before), the tiny bench (issue 7) and the committed drafter at budget 16
+  ( timeout 300 python3 -m pytest -q -m gpu tests/test_engine_cuda.py "tests/test_kernels_moe.py::test_moe_forward_code_shape_gpu" \
+      -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  ( step verify_cuda_fp32 280 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+    printf '%s\n' "${summary[@]}" > "$OUT/verify_tiny.txt" ) &
+  step verify_code_cuda 280 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  cat "$OUT/verify_tiny.txt"; rm -f "$OUT/verify_tiny.txt"
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
+  step drafter_small 150 python3 -m kdt.cli train-drafter out/resumed14.h5 --eval-only --backend cuda --dtype bf16 \
+    --json "$OUT/drafter-$day-model_code-cuda-s14-resumed-small.json"
+  KDT_MOE_SMALL=0 step drafter_v2 90 python3 -m kdt.cli train-drafter out/resumed14.h5 --eval-only --backend cuda \
+    --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s14-resumed-v2.json"
+  step bench_tiny 80 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s14-small.json"
+  step drafter_committed 50 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s14-committed-small.json"
+  grep -h "budget\|acceptance\| ar \|chain" "$OUT"/drafter_*.log | cut -c1-200 ;;
+s14b)  # session 14's last call: the small-layer MoE path against version 2 on one machine: the MoE layer alone
+  # (scripts/bench_moe.py, model_code's shape, M = 1 / 17), the drafter table at budget 16 (carry out/resumed14.h5)
+  # off / on, the tiny bench on / off (issue 7)
+  step bench_moe 150 python3 scripts/bench_moe.py --presets fixtures/model_code.h5 --M 1,17 \
+    --json "$OUT/moe-$day-code-s14-small.json"
+  KDT_MOE_SMALL=0 step drafter_v2 200 python3 -m kdt.cli train-drafter out/resumed14.h5 --eval-only --backend cuda \
+    --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s14-resumed-v2.json"
+  step drafter_small 90 python3 -m kdt.cli train-drafter out/resumed14.h5 --eval-only --backend cuda --dtype bf16 \
+    --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s14-resumed-small-b16.json"
+  step bench_tiny 80 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s14b-small.json"
+  KDT_MOE_SMALL=0 step bench_tiny_v2 100 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s14b-v2.json"
+  grep -h "v1\|v2\|v3" "$OUT/bench_moe.log" | cut -c1-160
+  grep -h "budget" "$OUT"/drafter_*.log | cut -c1-200
+  grep -h "decode AR:\|oracle chain:\|host work" "$OUT"/bench_tiny*.log ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -116,9 +116,18 @@ def _group_reference(topk_idx: np.ndarray, E: int):
     return counts, offsets, order // k, order % k, pos_of.reshape(M, k), np.nonzero(counts)[0]
 
 
+def poison_scratch(scratch):
+    """The scratch's outputs (logits, routing, the small path's h_all) poisoned; the tickets stay zero."""
+    for name in ("logits", "topk_idx", "topk_w", "h_all"):
+        a = getattr(scratch, name)
+        if a is not None:
+            a.copy_to_device(poisoned(a.shape, a.dtype))
+    return scratch
+
+
 def _run_forward(cfg, w, b, dtype, M_max, accumulate, x0=None, version=None, tiles=None, layer=None):
     layer = layer or moe.MoEWeights.from_hf(cfg, w, PREFIX, dtype)
-    scratch = moe.MoEScratch.allocate(cfg, M_max)
+    scratch = poison_scratch(moe.MoEScratch.allocate(cfg, M_max))
     M = b.shape[0]
     out_h = poisoned((M_max, cfg.hidden_size))
     if accumulate:
@@ -333,14 +342,16 @@ FORWARD_CASES = [
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("overrides,dtype,M,accumulate", FORWARD_CASES)
 def test_moe_forward_matches_reference(rng, overrides, dtype, M, accumulate, version):
     cfg = _cfg(**overrides)
     w = _layer_weights(rng, cfg)
     b = _draw_b(rng, cfg, w, M)
     x0 = rng.standard_normal((M, cfg.hidden_size)).astype(np.float32) if accumulate else None
-    got, _ = _run_forward(cfg, w, b, dtype, M_max=M + 1, accumulate=accumulate, x0=x0, version=version)
+    got, scratch = _run_forward(cfg, w, b, dtype, M_max=M + 1, accumulate=accumulate, x0=x0, version=version)
+    if version == 3:
+        _check_small_state(cfg, b, w if dtype == np.float32 else _rounded(w), scratch, M)
     b64 = b.astype(np.float64)
     base = x0.astype(np.float64) if accumulate else 0.0
     if dtype == np.float32:
@@ -360,11 +371,12 @@ TEE_CASES = [
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("version", ["1", "2", "2-fallback"])
+@pytest.mark.parametrize("version", ["1", "2", "2-fallback", "3"])
 @pytest.mark.parametrize("overrides,M,accumulate", TEE_CASES)
 def test_moe_forward_tee(rng, monkeypatch, overrides, M, accumulate, version):
     """moe_forward(..., tee=) leaves tee[:M] == out[:M] bit for bit (version 2: kernel C's combine;
-    version 1 and version 2's fallback past V2_MAX_PAIRS: a copy launch), tee's rows past M untouched
+    version 1 and version 2's fallback past V2_MAX_PAIRS: a copy launch; the small path: S2's stores), tee's
+    rows past M untouched
     (NaN), and out bit-identical to the same call without tee."""
     if version == "2-fallback":
         monkeypatch.setattr(moe, "V2_MAX_PAIRS", 0)
@@ -392,6 +404,50 @@ def test_moe_forward_tee(rng, monkeypatch, overrides, M, accumulate, version):
     assert np.array_equal(got[:M], want[:M]), "out must not change with a tee"
     assert np.array_equal(tee[:M], got[:M]), "tee[:M] must be out[:M] bit for bit"
     assert np.all(np.isnan(tee[M:])), "tee rows past M must not be written"
+
+
+# ---- the small-layer path (two launches) --------------------------------------------------------------
+def _check_small_state(cfg, b, w, scratch, M):
+    """Routing left in the scratch by a small-path forward: logits vs float64, topk vs ops.moe_route on
+    the kernel's own fp32 logits; every expert's gate_up rows h_all[e * Mh + m] vs float64 on the weights
+    ``w`` as the kernel holds them (bf16-rounded for bf16). The scratch was poisoned (``_run_forward``)."""
+    E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+    gate = w[PREFIX + "gate.weight"].astype(np.float64)
+    bias = w[PREFIX + "gate.e_score_correction_bias"]
+    logits = scratch.logits.copy_to_host()[:M]
+    assert rel_err(logits, b.astype(np.float64) @ gate.T) < FP32_BOUND
+    ref_idx, ref_w = ops.moe_route(logits, bias, cfg)
+    np.testing.assert_array_equal(scratch.topk_idx.copy_to_host()[:M], ref_idx)
+    assert rel_err(scratch.topk_w.copy_to_host()[:M], ref_w) < ROUTE_W_BOUND
+    Mh = scratch.h_all.shape[0] // E
+    h = scratch.h_all.copy_to_host().reshape(E, Mh, I)[:, :M]
+    for e in range(E):
+        g, u = (w[f"{PREFIX}experts.{e}.{n}_proj.weight"].astype(np.float64) for n in ("gate", "up"))
+        gb, ub = b.astype(np.float64) @ g.T, b.astype(np.float64) @ u.T
+        assert rel_err(h[e], gb / (1 + np.exp(-gb)) * ub) < FP32_BOUND
+
+
+def test_small_path_dispatch(rng):
+    """The default runs the small path for a small layer at M <= SMALL_MAX_M (its scratch holds h_all; the
+    grouping buffers stay untouched), version 2 past it; KDT_MOE_SMALL's switch (moe.SMALL) turns it off."""
+    cfg = _cfg()
+    assert moe.small_layer(cfg) and not moe.small_layer(preset("moonlight-16b-a3b"))
+    w = _layer_weights(rng, cfg)
+    b = _draw_b(rng, cfg, w, 3)
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
+    for small, want in ((True, -7777), (False, None)):
+        scratch = moe.MoEScratch.allocate(cfg, 4)
+        scratch.sorted_rows.copy_to_device(poisoned(scratch.sorted_rows.shape[0], np.int32))
+        old, moe.SMALL = moe.SMALL, small
+        try:
+            moe.moe_forward(cuda.to_device(b), layer, scratch, cuda.to_device(np.zeros((3, cfg.hidden_size),
+                                                                                      np.float32)), accumulate=False)
+        finally:
+            moe.SMALL = old
+        rows = scratch.sorted_rows.copy_to_host()[: 3 * cfg.num_experts_per_tok]
+        assert (rows == -7777).all() if want is not None else (rows >= 0).all()
+    assert moe.MoEScratch.allocate(cfg, 64).h_all.shape == (cfg.n_routed_experts * moe.SMALL_MAX_M,
+                                                           cfg.moe_intermediate_size)
 
 
 # ---- version 2 (three launches) --------------------------------------------------------------------
@@ -580,23 +636,27 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
 
 @pytest.mark.kernels
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16, 17, 65])
-def test_moe_forward_code_shape_gpu(rng, M):
-    """model_code's MoE layer (D 256, I 128, E 8, k 2, 1 shared), bf16, at the DDTree steps' M: the
-    small-model launch shapes (kernel C one expert per block, kernel A's 2-token tiles) against float64,
-    with a tee (kernel C's second output: out's rows bit for bit)."""
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("M", [1, 16, 17, 32, 65])
+def test_moe_forward_code_shape_gpu(rng, M, version):
+    """model_code's MoE layer (D 256, I 128, E 8, k 2, 1 shared), bf16, at the DDTree steps' M: version 2's
+    small-model launch shapes (kernel C one expert per block, kernel A's 2-token tiles) and the small path
+    (version 3; past SMALL_MAX_M it runs version 2) against float64, with a tee (out's rows bit for bit)."""
     from kdt.fixture import read_config
 
     cfg = read_config(str(Path(__file__).resolve().parent.parent / "fixtures" / "model_code.h5"))
     w = _layer_weights(rng, cfg)
-    layer, scratch = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16), moe.MoEScratch.allocate(cfg, 65)
+    layer, scratch = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16), poison_scratch(moe.MoEScratch.allocate(cfg, 65))
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))
     tee = cuda.to_device(poisoned((M + 1, cfg.hidden_size)))  # the engine's feature copy, in kernel C
-    moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, tee=tee)
+    moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, tee=tee, version=version)
     got = out.copy_to_host()
     assert rel_err(got, MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))) < BF16_BOUND
-    _check_v2_state(cfg, b, w, scratch, M)
+    if version == 3 and M <= moe.SMALL_MAX_M:
+        _check_small_state(cfg, b, _rounded(w), scratch, M)
+    else:
+        _check_v2_state(cfg, b, w, scratch, M)
     t = tee.copy_to_host()
     assert np.array_equal(t[:M], got) and np.all(np.isnan(t[M:]))
 

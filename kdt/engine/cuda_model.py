@@ -336,7 +336,8 @@ class DecoderStack:
                 ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s)
                 moe.moe_forward(a, lw.moe, b.moe, x, M=M, accumulate=True, stream=s, tee=feat)
                 if self.record_experts is not None:
-                    self.record_experts.append(int(b.moe.n_active.copy_to_host()[0]))
+                    # from the routing every MoE path writes (the small path groups nothing: no n_active)
+                    self.record_experts.append(int(np.unique(b.moe.topk_idx[:M].copy_to_host()).size))
             else:
                 moe.dense_mlp(x, lw.mlp_gate_up, lw.mlp_down, b.h, x, M=M, accumulate=True, stream=s,
                               norm=(lw.post_attention_layernorm, eps, a))

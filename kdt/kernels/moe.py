@@ -44,6 +44,10 @@ Activations that version 2 reads as GEMM inputs are stored word-permuted (one 12
 lane group instead of 4 strided loads per weight word), weights are loaded with the streaming cache
 hint, and the tiles (``V2Tiles``, chosen by :func:`v2_tiles` from M alone, so CUDA graphs capture it)
 are specialised for 1, <= 8, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1.
+
+**The small-layer path** (version 3, the default for layers of small experts at M <= ``SMALL_MAX_M``, see
+its section) drops the grouping: S1 routes and runs the gate_up of every expert for every token in one
+launch, S2 the down of each token's chosen experts and the shared down, combined in the same warp.
 """
 
 from __future__ import annotations
@@ -1449,6 +1453,228 @@ def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Til
         launch(stream)
 
 
+# ---- the small-layer path: every expert for every token, two launches -------------------------------
+# For a layer whose experts are small (kdt's demo and test models: model_code's 8 experts of 128 x 256 are
+# 1.5 MB in bf16), version 2's time is its serial chain (logits -> ticket -> routing -> ticket -> grouping
+# -> gate_up -> down -> ticket -> combine), not bytes. Here nothing waits on the routing but the combine:
+# S1  one launch of three roles: route blocks (each warp one token: its E logits, then the routing of
+#     version 2's router into topk_idx / topk_w), the gate_up of *every* routed expert for every token
+#     (h_all[e*Mh + m] = silu(g_e . b_m) * (u_e . b_m); block = expert x row tile x token tile), and the
+#     shared experts' gate_up (h_shared[m], natural layout);
+# S2  one launch: block = row tile of D x token m; each warp sums its rows of the shared down and, with the
+#     token's own routing weights, the down of its k chosen experts: out[m] (+)= shared + sum_slot w * y.
+# E / k times the routed FLOPs of version 2 (no grouping), which costs nothing where every launch is latency.
+# Taken by default for layers of at most SMALL_MAX_BYTES of routed experts at M <= SMALL_MAX_M (env
+# KDT_MOE_SMALL=0: off); the scratch holds h_all only for such layers.
+SMALL_MAX_BYTES = 32 << 20  # routed expert bytes of a "small" layer, counted at 2 bytes a weight (E * 3 * I * D * 2)
+SMALL_MAX_M = 32  # tokens per forward (the learned drafter's DDTree steps verify 16-17)
+SMALL = os.environ.get("KDT_MOE_SMALL", "1") == "1"
+_S_NW = 2 if IS_SIM else 4  # warps per block of both launches
+_S_NR = 4  # weight rows per warp (S1: 2 gate + 2 up rows; S2: 4 rows of D)
+_S_U = 2  # words per row per lane in flight
+_S_CACHE: dict[tuple, object] = {}
+
+
+def small_layer(cfg, wbytes: int = 2) -> bool:
+    """The layer's routed experts fit the small-layer path (see the section comment)."""
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    return E * 3 * I * D * wbytes <= SMALL_MAX_BYTES and E <= E_MAX and cfg.num_experts_per_tok <= K_MAX \
+        and cfg.n_group <= G_MAX
+
+
+def small_tt(M: int) -> int:
+    """Tokens per register tile of S1's gate_up blocks for M tokens (1, 2 or 4)."""
+    return 1 if M <= 1 else 2 if M == 2 else 4
+
+
+def _small_gate_up_kernel(epw: int, tt: int):
+    """Kernel S1 (see the section comment). Grid: nrb route blocks (NW tokens each), then E * ntg * ntt
+    routed blocks (expert, row tile of NW * NR/2 outputs, token tile of tt), then ntg_s * ntt shared
+    blocks. h_all[E * Mh, I] and h_shared[>= M, Is] natural (row-major) float32."""
+    key = ("S1", epw, tt)
+    if key in _S_CACHE:
+        return _S_CACHE[key]
+    NW, NR, TT = _S_NW, _S_NR, tt
+    NO = NR // 2
+    NACC, WB = NR * TT, _S_U * NR
+    RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
+    RED1 = (NW, 1, WARP) if IS_SIM else (1, 1, 1)
+    RRED = (NW, WARP) if IS_SIM else (1, 1)
+    NIDX = SMALL_MAX_M * K_MAX
+    mm = _v2_mm(epw, NR, TT, _S_U, False, 1, False)
+    red = _v2_reduce(NR, TT)
+    red1 = _v2_reduce(1, 1)
+    pick = _v2_pick(NR, TT)
+
+    def kern(b, gate, bias, logits, topk_idx, topk_w, wgu, h_all, sgu, h_shared, M, Mh, nrb, ntg, ntg_s, n_group,
+             topk_group, top_k, norm, scale):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        bid = cuda.blockIdx.x
+        if bid < nrb:
+            # ---- route: warp w takes token m (a warp past M repeats token M-1 and writes nothing) ----
+            sh_c = cuda.shared.array((NW, E_MAX), float32)
+            sh_s = cuda.shared.array((NW, E_MAX), float32)
+            sh_g = cuda.shared.array((NW, G_MAX), float32)
+            red_v = cuda.shared.array(RRED, float32)
+            red_i = cuda.shared.array(RRED, int32)
+            sh_idx = cuda.shared.array(NIDX, int32)
+            redl = cuda.shared.array(RED1, float32)
+            a1 = cuda.local.array(1, float32)
+            m = bid * NW + warp
+            valid = m < M
+            mc = min(m, M - 1)
+            E = gate.shape[0]
+            D = gate.shape[1]
+            for e in range(E):
+                s = float32(0.0)
+                for d in range(lane, D, WARP):
+                    s += gate[e, d] * b[mc, d]
+                a1[0] = s
+                red1(a1, 1, redl, warp, lane)
+                if lane == e % WARP:  # this lane reads logit e back in the routing (its own write)
+                    logits[mc, e] = a1[0]
+            _v2_route_token(logits, bias, mc, valid, E, n_group, topk_group, top_k, norm, scale, sh_c, sh_s, sh_g,
+                            red_v, red_i, warp, lane, topk_idx, topk_w, sh_idx)
+            return
+        redb = cuda.shared.array(RED, float32)
+        acc = cuda.local.array(NACC, float32)
+        xrow = cuda.local.array(TT, int32)
+        wr = cuda.local.array(NR, int64)
+        wb = cuda.local.array(WB, uint64)
+        wv = cuda.local.array(NR, float32)
+        sel = cuda.local.array(NR, float32)
+        ntt = (M + TT - 1) // TT
+        q = bid - nrb
+        E = wgu.shape[0]
+        routed = q < E * ntg * ntt
+        if routed:  # (expert e, row tile x, token tile tk)
+            e = q // (ntg * ntt)
+            x = (q // ntt) % ntg
+            W, I, h = wgu, wgu.shape[1] // 2, h_all
+            hbase = e * Mh
+        else:
+            q -= E * ntg * ntt
+            e = 0
+            x = q // ntt
+            W, I, h = sgu, sgu.shape[1] // 2, h_shared
+            hbase = 0
+        p0 = (q % ntt) * TT
+        nt = min(TT, M - p0)
+        for t in range(TT):
+            xrow[t] = p0 + min(t, nt - 1)
+        obase = (x * NW + warp) * NO
+        for r in range(NO):
+            wr[r] = min(obase + r, I - 1)
+            wr[NO + r] = wr[r] + I
+        mm(W, e, wr, b, xrow, 0, lane, acc, wb, wv)
+        red(acc, nt, redb, warp, lane)
+        if lane < nt:
+            pick(acc, sel, lane)
+            for r in range(NO):
+                o = obase + r
+                if o < I:
+                    g = sel[r]
+                    h[hbase + p0 + lane, o] = g / (float32(1.0) + math.exp(-g)) * sel[NO + r]
+
+    kern.__name__ = f"moe_small_gate_up_e{epw}_tt{tt}"
+    k = cuda.jit(kern)
+    _S_CACHE[key] = k
+    return k
+
+
+def _small_down_kernel(epw: int):
+    """Kernel S2 (see the section comment). Block b = m * n_x + x: token m, rows [x*R, x*R + R) of D (R =
+    NW * NR). out[m, d] (+)= shared_down[d] . h_shared[m] + sum_slot topk_w[m, slot] *
+    down[topk_idx[m, slot], d] . h_all[topk_idx[m, slot] * Mh + m]; with has_tee the same value into tee."""
+    key = ("S2", epw)
+    if key in _S_CACHE:
+        return _S_CACHE[key]
+    NW, NR = _S_NW, _S_NR
+    WB = _S_U * NR
+    RED = (NW, NR, WARP) if IS_SIM else (1, 1, 1)
+    mm = _v2_mm(epw, NR, 1, _S_U, False, 1, False)
+    red = _v2_reduce(NR, 1)
+
+    def kern(wdn, h_all, sdn, h_shared, topk_idx, topk_w, out, tee, Mh, n_x, accumulate, has_shared, has_tee):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        redb = cuda.shared.array(RED, float32)
+        acc = cuda.local.array(NR, float32)
+        tot = cuda.local.array(NR, float32)
+        xrow = cuda.local.array(1, int32)
+        wr = cuda.local.array(NR, int64)
+        wb = cuda.local.array(WB, uint64)
+        wv = cuda.local.array(NR, float32)
+        D = wdn.shape[1]
+        m = cuda.blockIdx.x // n_x
+        d0 = ((cuda.blockIdx.x % n_x) * NW + warp) * NR
+        for r in range(NR):
+            wr[r] = min(d0 + r, D - 1)
+            tot[r] = float32(0.0)
+        for s in range(topk_idx.shape[1]):
+            e = topk_idx[m, s]
+            xrow[0] = e * Mh + m
+            mm(wdn, e, wr, h_all, xrow, 0, lane, acc, wb, wv)
+            red(acc, 1, redb, warp, lane)
+            w = topk_w[m, s]
+            for r in range(NR):
+                tot[r] += w * acc[r]
+        if has_shared:
+            xrow[0] = m
+            mm(sdn, 0, wr, h_shared, xrow, 0, lane, acc, wb, wv)
+            red(acc, 1, redb, warp, lane)
+        if lane < NR and d0 + lane < D:
+            for r in range(NR):
+                if r == lane:
+                    d = d0 + r
+                    v = out[m, d] if accumulate else float32(0.0)
+                    if has_shared:
+                        v = v + acc[r]
+                    v = v + tot[r]
+                    out[m, d] = v
+                    if has_tee:
+                        tee[m, d] = v
+
+    kern.__name__ = f"moe_small_down_e{epw}"
+    k = cuda.jit(kern)
+    _S_CACHE[key] = k
+    return k
+
+
+def _small_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
+    """The small-layer path runs this layer at M tokens."""
+    same_dtype = L._sgu is None or np.dtype(L.shared_gate_up.dtype) == np.dtype(L.w_gate_up.dtype)
+    return (S.h_all is not None and M <= S.h_all.shape[0] // L.E and same_dtype and L.E <= E_MAX
+            and L.top_k <= K_MAX and L.n_group <= G_MAX)
+
+
+def _moe_forward_small(b, L, S, out, M: int, accumulate: bool, stream, tee=None) -> None:
+    E, k, I, D = L.E, L.top_k, L.I, L.D
+    Mh = S.h_all.shape[0] // E
+    tt = small_tt(M)
+    nrb = cdiv(M, _S_NW)
+    ntg = cdiv(I, _S_NW * (_S_NR // 2))
+    ntt = cdiv(M, tt)
+    has_shared = L._sgu is not None
+    if has_shared:
+        ntg_s = cdiv(L._sgu.shape[1] // 2, _S_NW * (_S_NR // 2))
+        sgu, sdn, hs = L._sgu, L._sdn, S.h_shared
+    else:
+        ntg_s, sgu, sdn, hs = 0, L._gu, L._dn, S.h_all  # never read
+    s1 = _small_gate_up_kernel(L._epw, tt)
+    s1[nrb + (E * ntg + ntg_s) * ntt, _S_NW * WARP, stream](
+        b, L.gate_w, L.bias, S.logits, S.topk_idx, S.topk_w, L._gu, S.h_all, sgu, hs, int(M), int(Mh), int(nrb),
+        int(ntg), int(ntg_s), int(L.n_group), int(L.topk_group), int(k), bool(L.norm_topk_prob),
+        float(L.routed_scaling_factor))
+    n_x = cdiv(D, _S_NW * _S_NR)
+    _small_down_kernel(L._epw)[M * n_x, _S_NW * WARP, stream](
+        L._dn, S.h_all, sdn, hs, S.topk_idx, S.topk_w, out, out if tee is None else tee, int(Mh), int(n_x),
+        bool(accumulate), has_shared, tee is not None)
+
+
 # ---- host-side packing, weights and scratch -------------------------------------------------------
 def _to_weight_dtype(a: np.ndarray, dtype) -> np.ndarray:
     dt = np.dtype(dtype)
@@ -1561,6 +1787,7 @@ class MoEScratch:
     y_shared: object = None  # [M_max, D] f32 (version 2: the shared experts' output)
     counter: object = None  # [1 + M_max] int32, zero between launches (version 2: kernel A's tickets)
     tickets: object = None  # [D] int32, zero between launches (version 2: tickets per row tile of D)
+    h_all: object = None  # [E * Mh, I] f32, Mh = min(M_max, SMALL_MAX_M): small layers only (the small path)
 
     @classmethod
     def allocate(cls, cfg, M_max: int, stream=0) -> MoEScratch:
@@ -1579,7 +1806,8 @@ class MoEScratch:
                    h_shared=f32(M_max, I * cfg.n_shared_experts) if cfg.n_shared_experts else None,
                    b_perm=f32(M_max, D), y_shared=f32(M_max, D),
                    counter=cuda.to_device(np.zeros(1 + M_max, dtype=np.int32), stream=stream),
-                   tickets=cuda.to_device(np.zeros(D, dtype=np.int32), stream=stream))
+                   tickets=cuda.to_device(np.zeros(D, dtype=np.int32), stream=stream),
+                   h_all=f32(E * min(M_max, SMALL_MAX_M), I) if small_layer(cfg) else None)
 
 
 def _v2_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
@@ -1594,13 +1822,16 @@ def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = 
                 tiles: V2Tiles | None = None, tee=None) -> None:
     """out[M, D] (+)= moe(b[M, D]) (SPEC section 1) entirely on the GPU, no host synchronisation.
 
-    ``version`` (default: module ``VERSION``, env ``KDT_MOE_VERSION``):
+    ``version`` (default: the small-layer path where it applies (``SMALL``, env ``KDT_MOE_SMALL``), else
+    module ``VERSION``, env ``KDT_MOE_VERSION``):
 
     - 1: router_logits -> moe_router -> moe_group -> expert_gate_up -> expert_down -> (shared experts:
       dense gate_up, dense down into out) -> moe_combine (8 launches).
     - 2: three launches (route + shared gate_up | routed gate_up + shared down | routed down + combine,
       see the "version 2" section); M * k > ``V2_MAX_PAIRS`` falls back to version 1. ``tiles``
       overrides :func:`v2_tiles` (benchmarks).
+    - 3: the small-layer path (two launches, every expert for every token, see its section), for layers
+      whose scratch holds ``h_all`` (:func:`small_layer`) at M <= ``SMALL_MAX_M``; else version 2.
 
     Grids depend only on M and the config, so the sequence can be captured in a CUDA graph per M.
     b[>= M, D] f32, out[>= M, D] f32. tee[>= M, D] f32: also receives the final out rows (the engine's
@@ -1615,10 +1846,14 @@ def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = 
     if tee is not None and (len(tee.shape) != 2 or tee.shape[0] < M or tee.shape[1] != out.shape[1]):
         raise ValueError(f"moe_forward: tee {tuple(tee.shape)} for M={M}, D={out.shape[1]}")
     L, S = layer, scratch
-    use_v2 = version == 2 if version is not None else (VERSION == 2 and M <= V2_MAX_M)
+    if L.n_group > 1 and (L.E % L.n_group or L.E // L.n_group < 2 or not 1 <= L.topk_group <= L.n_group):
+        raise ValueError(f"moe_forward: E={L.E}, n_group={L.n_group}, topk_group={L.topk_group}")
+    use_small = version == 3 if version is not None else SMALL
+    if use_small and _small_supported(L, S, M):
+        _moe_forward_small(b, L, S, out, M, accumulate, stream, tee)
+        return
+    use_v2 = version in (2, 3) if version is not None else (VERSION == 2 and M <= V2_MAX_M)
     if use_v2 and _v2_supported(L, S, M):
-        if L.n_group > 1 and (L.E % L.n_group or L.E // L.n_group < 2 or not 1 <= L.topk_group <= L.n_group):
-            raise ValueError(f"moe_forward: E={L.E}, n_group={L.n_group}, topk_group={L.topk_group}")
         _moe_forward_v2(b, L, S, out, M, accumulate, stream, tiles, tee)
         return
     E, k, I, D = L.E, L.top_k, L.I, L.D
@@ -1666,6 +1901,12 @@ def _register() -> None:
              int64, boolean, float64, int64)
     sig_b = (f2, u3, f2, i1, i1, i1, i1, i1, f2, u3, f2, int64, int64, int64)
     sig_c = (f2, u3, f2, i1, i1, i1, i1, i2, f2, f2, f2, f2, i1, int64, int64, int64, boolean, boolean, boolean)
+    f3 = float32[::1]
+    for epw in (2, 4):
+        for tt in (1, 2, 4):
+            register_ptx(_small_gate_up_kernel(epw, tt), (f2, f2, f3, f2, i2, f2, u3, f2, u3, f2, int64, int64, int64,
+                                                          int64, int64, int64, int64, int64, boolean, float64))
+        register_ptx(_small_down_kernel(epw), (u3, f2, u3, f2, i2, f2, f2, f2, int64, int64, boolean, boolean, boolean))
     seen: set[int] = set()
     shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
