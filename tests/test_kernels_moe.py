@@ -375,9 +375,8 @@ TEE_CASES = [
 @pytest.mark.parametrize("overrides,M,accumulate", TEE_CASES)
 def test_moe_forward_tee(rng, monkeypatch, overrides, M, accumulate, version):
     """moe_forward(..., tee=) leaves tee[:M] == out[:M] bit for bit (version 2: kernel C's combine;
-    version 1 and version 2's fallback past V2_MAX_PAIRS: a copy launch; the small path: S2's stores), tee's
-    rows past M untouched
-    (NaN), and out bit-identical to the same call without tee."""
+    version 1 and version 2's fallback past V2_MAX_PAIRS: a copy launch; the small path: S2's stores),
+    tee's rows past M untouched (NaN), and out bit-identical to the same call without tee."""
     if version == "2-fallback":
         monkeypatch.setattr(moe, "V2_MAX_PAIRS", 0)
     cfg = _cfg(**overrides)
@@ -410,7 +409,7 @@ def test_moe_forward_tee(rng, monkeypatch, overrides, M, accumulate, version):
 def _check_small_state(cfg, b, w, scratch, M):
     """Routing left in the scratch by a small-path forward: logits vs float64, topk vs ops.moe_route on
     the kernel's own fp32 logits; every expert's gate_up rows h_all[e * Mh + m] vs float64 on the weights
-    ``w`` as the kernel holds them (bf16-rounded for bf16). The scratch was poisoned (``_run_forward``)."""
+    ``w`` as the kernel holds them (bf16-rounded for bf16). The caller poisoned the scratch (``poison_scratch``)."""
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     gate = w[PREFIX + "gate.weight"].astype(np.float64)
     bias = w[PREFIX + "gate.e_score_correction_bias"]
@@ -429,13 +428,14 @@ def _check_small_state(cfg, b, w, scratch, M):
 
 def test_small_path_dispatch(rng):
     """The default runs the small path for a small layer at M <= SMALL_MAX_M (its scratch holds h_all; the
-    grouping buffers stay untouched), version 2 past it; KDT_MOE_SMALL's switch (moe.SMALL) turns it off."""
+    grouping buffers stay untouched), version 2 past it (the scratch's h_all holds SMALL_MAX_M tokens);
+    KDT_MOE_SMALL's switch (moe.SMALL) turns it off."""
     cfg = _cfg()
     assert moe.small_layer(cfg) and not moe.small_layer(preset("moonlight-16b-a3b"))
     w = _layer_weights(rng, cfg)
     b = _draw_b(rng, cfg, w, 3)
     layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
-    for small, want in ((True, -7777), (False, None)):
+    for small in (True, False):
         scratch = moe.MoEScratch.allocate(cfg, 4)
         scratch.sorted_rows.copy_to_device(poisoned(scratch.sorted_rows.shape[0], np.int32))
         old, moe.SMALL = moe.SMALL, small
@@ -445,9 +445,11 @@ def test_small_path_dispatch(rng):
         finally:
             moe.SMALL = old
         rows = scratch.sorted_rows.copy_to_host()[: 3 * cfg.num_experts_per_tok]
-        assert (rows == -7777).all() if want is not None else (rows >= 0).all()
-    assert moe.MoEScratch.allocate(cfg, 64).h_all.shape == (cfg.n_routed_experts * moe.SMALL_MAX_M,
-                                                           cfg.moe_intermediate_size)
+        assert (rows == -7777).all() if small else (rows >= 0).all()
+    big = moe.MoEScratch.allocate(cfg, 64)
+    assert big.h_all.shape == (cfg.n_routed_experts * moe.SMALL_MAX_M, cfg.moe_intermediate_size)
+    n = moe.SMALL_MAX_M
+    assert moe._small_supported(layer, big, n) and not moe._small_supported(layer, big, n + 1)
 
 
 # ---- version 2 (three launches) --------------------------------------------------------------------

@@ -1465,7 +1465,11 @@ def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Til
 #     token's own routing weights, the down of its k chosen experts: out[m] (+)= shared + sum_slot w * y.
 # E / k times the routed FLOPs of version 2 (no grouping), which costs nothing where every launch is latency.
 # Taken by default for layers of at most SMALL_MAX_BYTES of routed experts at M <= SMALL_MAX_M (env
-# KDT_MOE_SMALL=0: off); the scratch holds h_all only for such layers.
+# KDT_MOE_SMALL=0: off); the scratch holds h_all only for such layers. Predicted for model_code's layer (bf16):
+# ~10-15 us at M = 17, ~8-12 at M = 1. Measured (H200, scripts/bench_moe.py, one machine, session 14): version 2
+# -> this path 32.5 -> 23.7 us at M = 17, 21.0 -> 17.1 at M = 1. Likely (not timed apart) S1's route blocks are
+# its critical path (a warp reads the gate's E rows one 128-byte line per step, E x D / 32 steps, then E warp
+# sums): the next lever, e.g. all E logits in one pass over D.
 SMALL_MAX_BYTES = 32 << 20  # routed expert bytes of a "small" layer, counted at 2 bytes a weight (E * 3 * I * D * 2)
 SMALL_MAX_M = 32  # tokens per forward (the learned drafter's DDTree steps verify 16-17)
 SMALL = os.environ.get("KDT_MOE_SMALL", "1") == "1"
