@@ -111,7 +111,7 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: fl
     for M in Ms:
         b, out = rand((M, D)), cuda.device_array((M, D), np.float32)
         variants: list[tuple[str, int, moe.V2Tiles | None]] = [("v1", 1, None), ("v2", 2, None)]
-        if scratch.h_all is not None and M <= moe.SMALL_MAX_M:  # a small layer: the small path too
+        if moe._small_supported(layer, scratch, M):  # a small layer: the small path too
             variants.append(("v3 small", 3, None))
         if sweep:
             variants += [(f"v2 {n}", 2, t) for n, t in

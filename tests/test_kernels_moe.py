@@ -407,17 +407,11 @@ def test_moe_forward_tee(rng, monkeypatch, overrides, M, accumulate, version):
 
 # ---- the small-layer path (two launches) --------------------------------------------------------------
 def _check_small_state(cfg, b, w, scratch, M):
-    """Routing left in the scratch by a small-path forward: logits vs float64, topk vs ops.moe_route on
-    the kernel's own fp32 logits; every expert's gate_up rows h_all[e * Mh + m] vs float64 on the weights
-    ``w`` as the kernel holds them (bf16-rounded for bf16). The caller poisoned the scratch (``poison_scratch``)."""
+    """Routing left in the scratch by a small-path forward (``_check_routing``); every expert's gate_up rows
+    h_all[e * Mh + m] vs float64 on the weights ``w`` as the kernel holds them (bf16-rounded for bf16). The
+    caller poisoned the scratch (``poison_scratch``)."""
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-    gate = w[PREFIX + "gate.weight"].astype(np.float64)
-    bias = w[PREFIX + "gate.e_score_correction_bias"]
-    logits = scratch.logits.copy_to_host()[:M]
-    assert rel_err(logits, b.astype(np.float64) @ gate.T) < FP32_BOUND
-    ref_idx, ref_w = ops.moe_route(logits, bias, cfg)
-    np.testing.assert_array_equal(scratch.topk_idx.copy_to_host()[:M], ref_idx)
-    assert rel_err(scratch.topk_w.copy_to_host()[:M], ref_w) < ROUTE_W_BOUND
+    _check_routing(cfg, b, w, scratch, M)
     Mh = scratch.h_all.shape[0] // E
     h = scratch.h_all.copy_to_host().reshape(E, Mh, I)[:, :M]
     for e in range(E):
@@ -453,11 +447,9 @@ def test_small_path_dispatch(rng):
 
 
 # ---- version 2 (three launches) --------------------------------------------------------------------
-def _check_v2_state(cfg, b, w, scratch, M):
-    """Routing and grouping left in the scratch by a version-2 forward vs the references: logits vs
-    float64, topk vs ops.moe_route on the kernel's own fp32 logits, the grouping vs _group_reference,
-    and the tickets back to 0."""
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+def _check_routing(cfg, b, w, scratch, M) -> np.ndarray:
+    """Routing left in the scratch vs the references: logits vs float64, topk vs ops.moe_route on the
+    kernel's own fp32 logits. Returns topk_idx[:M]."""
     logits = scratch.logits.copy_to_host()[:M]
     gate = w[PREFIX + "gate.weight"].astype(np.float64)
     assert rel_err(logits, b.astype(np.float64) @ gate.T) < LOGITS_BOUND
@@ -465,6 +457,14 @@ def _check_v2_state(cfg, b, w, scratch, M):
     idx = scratch.topk_idx.copy_to_host()[:M]
     np.testing.assert_array_equal(idx, ref_idx)
     assert rel_err(scratch.topk_w.copy_to_host()[:M], ref_w) < ROUTE_W_BOUND
+    return idx
+
+
+def _check_v2_state(cfg, b, w, scratch, M):
+    """Routing (``_check_routing``) and grouping left in the scratch by a version-2 forward: the grouping vs
+    _group_reference, and the tickets back to 0."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    idx = _check_routing(cfg, b, w, scratch, M)
     counts, offsets, rows, slots, pos_of, active = _group_reference(idx, E)
     P = M * k
     np.testing.assert_array_equal(scratch.counts.copy_to_host(), counts)

@@ -1650,9 +1650,7 @@ def _small_down_kernel(epw: int):
 
 def _small_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
     """The small-layer path runs this layer at M tokens."""
-    same_dtype = L._sgu is None or np.dtype(L.shared_gate_up.dtype) == np.dtype(L.w_gate_up.dtype)
-    return (S.h_all is not None and M <= S.h_all.shape[0] // L.E and same_dtype and L.E <= E_MAX
-            and L.top_k <= K_MAX and L.n_group <= G_MAX)
+    return S.h_all is not None and M <= S.h_all.shape[0] // L.E and _fits_fused_kernels(L)
 
 
 def _moe_forward_small(b, L, S, out, M: int, accumulate: bool, stream, tee=None) -> None:
@@ -1814,11 +1812,17 @@ class MoEScratch:
                    h_all=f32(E * min(M_max, SMALL_MAX_M), I) if small_layer(cfg) else None)
 
 
+def _fits_fused_kernels(L: MoEWeights) -> bool:
+    """What version 2 and the small path both need of a layer: shared experts in the routed experts' weight
+    dtype (one kernel reads both) and a router within the compile-time maxima."""
+    same_dtype = L._sgu is None or np.dtype(L.shared_gate_up.dtype) == np.dtype(L.w_gate_up.dtype)
+    return same_dtype and L.E <= E_MAX and L.top_k <= K_MAX and L.n_group <= G_MAX
+
+
 def _v2_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
     """Version 2 runs this layer at M tokens (else version 1 does)."""
-    same_dtype = L._sgu is None or np.dtype(L.shared_gate_up.dtype) == np.dtype(L.w_gate_up.dtype)
-    return (M * L.top_k <= V2_MAX_PAIRS and S.counter is not None and S.tickets is not None and same_dtype
-            and L.E <= E_MAX and L.top_k <= K_MAX and L.n_group <= G_MAX)
+    return (M * L.top_k <= V2_MAX_PAIRS and S.counter is not None and S.tickets is not None
+            and _fits_fused_kernels(L))
 
 
 def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = None,
