@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -586,7 +586,50 @@ s14b)  # session 14's last call: the small-layer MoE path against version 2 on o
   grep -h "v1\|v2\|v3" "$OUT/bench_moe.log" | cut -c1-160
   grep -h "budget" "$OUT"/drafter_*.log | cut -c1-200
   grep -h "decode AR:\|oracle chain:\|host work" "$OUT"/bench_tiny*.log ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b"; exit 2 ;;
+s15a)  # session 15: the drafter trained a fifth time (s14t with DRAFT_SEED=4 DRAFT_MIN=7.5; carry out/resumed15.h5):
+  # its table (bf16, every budget, GPU alone); then the step's GPU time by phase (drafter forward, top-k, tree build,
+  # target forward, the rest) for tiny AR / oracle chain and model_code AR / learned budget 16
+  step drafter_resumed 220 python3 -m kdt.cli train-drafter out/resumed15.h5 --eval-only --backend cuda --dtype bf16 \
+    --json "$OUT/drafter-$day-model_code-cuda-s15-resumed.json"
+  step profile 240 python3 scripts/profile_kernels.py --cases tiny,code --json "$OUT/profile-kernels-$day-s15a.json"
+  grep -h "budget\|acceptance\| ar \|chain" "$OUT"/drafter_*.log | cut -c1-200
+  grep -v "^ *$" "$OUT/profile.log" | cut -c1-160 ;;
+s15b)  # session 15: S1's route warps sum all E logits in one pass over D: the small path's gpu tests and the engine's
+  # beside kdt verify; then alone: the phase profile (S1's time at M = 1 and 17 against s15a's), the committed
+  # drafter's table at budget 16 (issue 8), the tiny bench (issue 7)
+  # (the MoE simulator tests run on the GPU too: -m "gpu or kernels")
+  ( timeout 300 python3 -m pytest -q -m "gpu or kernels" tests/test_engine_cuda.py tests/test_kernels_moe.py \
+      -k "engine or code_shape or small or matches_reference or tee" -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  ( step verify_cuda_fp32 250 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+    printf '%s\n' "${summary[@]}" > "$OUT/verify_tiny.txt" ) &
+  step verify_code_cuda 250 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  cat "$OUT/verify_tiny.txt"; rm -f "$OUT/verify_tiny.txt"
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
+  step profile 150 python3 scripts/profile_kernels.py --cases tiny,code --json "$OUT/profile-kernels-$day-s15b.json"
+  step drafter_committed 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s15b.json"
+  step bench_tiny 120 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s15b.json"
+  grep -h "budget\|acceptance\| ar \|chain" "$OUT"/drafter_*.log | cut -c1-200
+  grep -h "decode AR:\|oracle chain:\|host work" "$OUT"/bench_tiny.log
+  grep -h "==\|graph wall\|_small_\|phase\|^   [a-z ]*forward  \|tree build  \|rest  " "$OUT/profile.log" | cut -c1-160 ;;
+s15c)  # session 15's last call: the MoE kernel tests on the GPU again (s15b's copy of the tree carried a mutation of
+  # the tail loop, made locally to check that the new test can fail: its 5 failures were that), then the S1 change
+  # A/B on one machine: the committed drafter at budget 16 with the code before (carry out/base15 = `git archive
+  # e15ffe5 kdt`), then with this code
+  step pytest_moe 200 python3 -m pytest -q -m "gpu or kernels" tests/test_kernels_moe.py \
+    -k "small or matches_reference or code_shape or tee" -p no:cacheprovider -rf
+  OUTA=$(cd "$OUT" && pwd)
+  ( cd out/base15 && OUT=$OUTA KDT_CACHE_DIR=/tmp/kdt_cache_base step drafter_before 200 python3 -m kdt.cli \
+      train-drafter ../../fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 \
+      --json "$OUTA/drafter-$day-model_code-cuda-s15c-before.json"; printf '%s\n' "${summary[-1]}" )
+  step drafter_after 200 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
+    --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s15c-after.json"
+  grep -h "passed\|failed\|^FAILED" "$OUT/pytest_moe.log" | cut -c1-200
+  grep -h "budget" "$OUT"/drafter_*.log | cut -c1-200 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

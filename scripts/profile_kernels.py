@@ -8,7 +8,10 @@ For each case (model, drafter, budget) it runs greedy ``generate`` twice:
      each kernel's GPU time alone (the spin outlasts the launch's host cost, so the events see the
      kernel, not Python).
 It prints, per case, the kernels per step, their summed GPU time, the graph's wall time per step
-and the difference (what launch gaps and the host cost), and the kernels that take the most time.
+and the difference (what launch gaps and the host cost), and the kernels that take the most time;
+then the same GPU time by phase of the step (the learned drafter's forward, its top-k, the tree
+build, the target's forward, the rest: staging, argmax, accept, compaction, commit), each kernel
+charged to the outermost phase that launched it.
 Each bracket also times the GPU's own start of a launch (~4-5 us on the H200: the first run's sums
 exceeded the graph's wall time); an empty kernel's bracketed time is measured first and subtracted
 from every kernel's.
@@ -50,8 +53,9 @@ class KernelTimer:
     kernel (the first H200 run of this script did exactly that)."""
 
     def __init__(self):
-        self.events: list[tuple[str, object, object]] = []
+        self.events: list[tuple[str, str, object, object]] = []
         self.on = False
+        self.phase = "rest"  # the step phase the next launches belong to (see PhaseTags)
         self.overhead_us = 0.0
         timer = self
         if not hasattr(nd, "_LaunchConfiguration"):  # the simulator: nothing to time (a dry run)
@@ -66,7 +70,7 @@ class KernelTimer:
             e0.record()
             out = timer._orig(lc, *args)
             e1.record()
-            timer.events.append((lc.dispatcher.py_func.__qualname__.split(".<locals>")[0], e0, e1))
+            timer.events.append((lc.dispatcher.py_func.__qualname__.split(".<locals>")[0], timer.phase, e0, e1))
             return out
 
         nd._LaunchConfiguration.__call__ = call
@@ -82,13 +86,51 @@ class KernelTimer:
         self.overhead_us = float(np.median(times))
         return self.overhead_us
 
-    def table(self) -> dict[str, list[float]]:
+    def table(self, by_phase: bool = False) -> dict[str, list[float]]:
+        """{kernel name: its bracketed times (us)}, or keyed "phase: kernel" with ``by_phase``."""
         cuda.synchronize()
         out: dict[str, list[float]] = defaultdict(list)
-        for name, e0, e1 in self.events:
-            out[name].append(max(0.0, cuda.event_elapsed_time(e0, e1) * 1e3 - self.overhead_us))
+        for name, phase, e0, e1 in self.events:
+            out[f"{phase}: {name}" if by_phase else name].append(
+                max(0.0, cuda.event_elapsed_time(e0, e1) * 1e3 - self.overhead_us))
         self.events.clear()
         return out
+
+
+class PhaseTags:
+    """While installed, every launch is charged to the outermost of the wrapped step phases running:
+    the learned drafter's forward (``step_program``), its top-k, the tree build, the target's forward
+    (``_program``); anything else is "rest"."""
+
+    def __init__(self, timer: KernelTimer, target, drafter):
+        from kdt.kernels import ddtree as kd
+
+        self.timer, self.saved = timer, []
+        dm = getattr(drafter, "model", None)
+        for obj, attr, phase in ((kd, "topk_gpu", "draft top-k"), (kd, "build_tree_gpu", "tree build"),
+                                 (target, "_program", "target forward"),
+                                 (dm, "step_program", "drafter forward"), (dm, "_program", "drafter forward")):
+            if obj is not None:
+                self.saved.append((obj, attr, obj.__dict__.get(attr)))
+                setattr(obj, attr, self._wrap(getattr(obj, attr), phase))
+
+    def _wrap(self, fn, phase):
+        def tagged(*args, **kw):
+            outer = self.timer.phase
+            if outer == "rest":
+                self.timer.phase = phase
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.timer.phase = outer
+        return tagged
+
+    def remove(self) -> None:
+        for obj, attr, old in reversed(self.saved):
+            if old is None:
+                delattr(obj, attr)  # it was the class's method
+            else:
+                setattr(obj, attr, old)
 
 
 def set_graphs(target, step, drafter, on: bool, saved: dict):
@@ -119,10 +161,11 @@ def run_case(name, target, prompt, drafter_fn, budget, block, steps, timer, top)
     # an eager run first, untimed: session 10's tables each had one kernel family inflated by a one-off stall
     # (826 us of attention per step in one run, 1328 us of linear_v2 in another) in the first eager run
     generate(target, prompt, n_tok, drafter=drafter_fn(), budget=budget, block_size=block)
+    tags = PhaseTags(timer, target, d)
     timer.on = True
     res2 = generate(target, prompt, n_tok, drafter=d, budget=budget, block_size=block)
     timer.on = False
-    tab = timer.table()
+    tab = timer.table(by_phase=True)
     n = res2.steps  # the run includes the prefill's kernels: measured alone below and subtracted
     timer.on = True
     # the prefill alone (max_new = 1: the root, no step), eager like the run above (the graphs are still
@@ -130,13 +173,19 @@ def run_case(name, target, prompt, drafter_fn, budget, block, steps, timer, top)
     # learned drafter's prefill of its context rows is part of it
     generate(target, prompt, 1, drafter=d, budget=budget, block_size=block)
     timer.on = False
+    tags.remove()
     set_graphs(target, step, d, True, saved)
-    pre = timer.table()
-    per = {}
+    pre = timer.table(by_phase=True)
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # kernel -> [launches, GPU us] per step
+    by_phase: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # phase -> the same
+    per_pk: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # "phase: kernel" -> the same
     for k, v in tab.items():
+        phase, kern = k.split(": ", 1)
         pv = pre.get(k, [])
-        cnt, tot = len(v) - len(pv), sum(v) - sum(pv)
-        per[k] = (cnt / n, tot / n)
+        cnt, tot = (len(v) - len(pv)) / n, (sum(v) - sum(pv)) / n
+        for row in (per[kern], by_phase[phase], per_pk[k]):
+            row[0] += cnt
+            row[1] += tot
     launches = sum(c for c, _ in per.values())
     gpu = sum(t for _, t in per.values())
     print(f"\n== {name}: V={V} budget={budget} block={block}: {res.steps} steps, "
@@ -147,8 +196,17 @@ def run_case(name, target, prompt, drafter_fn, budget, block, steps, timer, top)
     for k, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
         if c > 0:
             print(f"   {k:34s} {c:7.1f} {t:8.1f} {t / c:8.2f}")
+    print(f"   {'phase':34s} {'n/step':>7s} {'us/step':>8s}")
+    for ph, (c, t) in sorted(by_phase.items(), key=lambda kv: -kv[1][1]):
+        if c > 0.05:
+            print(f"   {ph:34s} {c:7.1f} {t:8.1f}")
+    print(f"   {'phase: kernel':48s} {'n/step':>7s} {'us/step':>8s} {'us each':>8s}")
+    for k, (c, t) in sorted(per_pk.items(), key=lambda kv: -kv[1][1])[:2 * top]:
+        if c > 0.05:
+            print(f"   {k:48s} {c:7.1f} {t:8.1f} {t / c:8.2f}")
     return {"name": name, "wall_us": wall, "kernels": launches, "gpu_us": gpu,
-            "per_kernel": {k: [c, t] for k, (c, t) in per.items()}}
+            "per_kernel": {k: [c, t] for k, (c, t) in per.items()},
+            "per_phase": dict(by_phase), "per_phase_kernel": dict(per_pk)}
 
 
 def main():

@@ -420,6 +420,23 @@ def _check_small_state(cfg, b, w, scratch, M):
         assert rel_err(h[e], gb / (1 + np.exp(-gb)) * ub) < FP32_BOUND
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("overrides", [
+    dict(hidden_size=72, n_routed_experts=8, n_group=2, topk_group=1),  # P = 4: the 8-wide loop twice, then a tail
+    dict(hidden_size=40, n_routed_experts=48, n_group=1, topk_group=1),  # P = 1: two passes over the experts
+])
+def test_small_route_logits(rng, overrides):
+    """S1's route warps sum all E logits in one pass over D (P lanes per expert, 8 products in flight):
+    shapes where that loop runs whole, leaves a tail, and needs two passes; the layer vs float64 and the
+    routing and gate_up rows left in a poisoned scratch."""
+    cfg = _cfg(**overrides)
+    w = _layer_weights(rng, cfg)
+    b = _draw_b(rng, cfg, w, 3)
+    got, scratch = _run_forward(cfg, w, b, np.float32, M_max=4, accumulate=False, version=3)
+    _check_small_state(cfg, b, w, scratch, 3)
+    assert rel_err(got, MoE(cfg, w, PREFIX, np.float64)(b.astype(np.float64))) < FP32_BOUND
+
+
 def test_small_path_dispatch(rng):
     """The default runs the small path for a small layer at M <= SMALL_MAX_M (its scratch holds h_all; the
     grouping buffers stay untouched), version 2 past it (the scratch's h_all holds SMALL_MAX_M tokens);

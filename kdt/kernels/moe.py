@@ -124,6 +124,18 @@ if IS_SIM:
     def _warp_sync():
         cuda.syncthreads()
 
+    @_device
+    def _group_sum(v, P, red, warp, lane):
+        """Sum of v over the aligned group of P lanes (a power of two) holding ``lane``, to each of them
+        (shared-memory path: red[warp, lane], float32 [>= warps, 32])."""
+        cuda.syncthreads()
+        red[warp, lane] = v
+        cuda.syncthreads()
+        base = lane - lane % P
+        tot = red[warp, base:base + P].sum(dtype=np.float32)
+        cuda.syncthreads()
+        return tot
+
 else:
     from numba.cuda import libdevice
 
@@ -156,6 +168,16 @@ else:
     @_device
     def _warp_sync():
         cuda.syncwarp(_FULL)
+
+    @_device
+    def _group_sum(v, P, red, warp, lane):
+        """Sum of v over the aligned group of P lanes (a power of two) holding ``lane``, to each of them
+        (butterfly shuffles within the group; P is the same in every lane, ``red`` unused)."""
+        off = P // 2
+        while off >= 1:
+            v += cuda.shfl_xor_sync(_FULL, v, off)
+            off //= 2
+        return v
 
 
 @_device
@@ -1457,9 +1479,10 @@ def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Til
 # For a layer whose experts are small (kdt's demo and test models: model_code's 8 experts of 128 x 256 are
 # 1.5 MB in bf16), version 2's time is its serial chain (logits -> ticket -> routing -> ticket -> grouping
 # -> gate_up -> down -> ticket -> combine), not bytes. Here nothing waits on the routing but the combine:
-# S1  one launch of three roles: route blocks (each warp one token: its E logits, then the routing of
-#     version 2's router into topk_idx / topk_w), the gate_up of *every* routed expert for every token
-#     (h_all[e*Mh + m] = silu(g_e . b_m) * (u_e . b_m); block = expert x row tile x token tile), and the
+# S1  one launch of three roles: route blocks (each warp one token: its E logits in one pass over D, P lanes
+#     per expert, then the routing of version 2's router into topk_idx / topk_w), the gate_up of *every*
+#     routed expert for every token (h_all[e*Mh + m] = silu(g_e . b_m) * (u_e . b_m); block = expert x row
+#     tile x token tile), and the
 #     shared experts' gate_up (h_shared[m], natural layout);
 # S2  one launch: block = row tile of D x token m; each warp sums its rows of the shared down and, with the
 #     token's own routing weights, the down of its k chosen experts: out[m] (+)= shared + sum_slot w * y.
@@ -1467,9 +1490,13 @@ def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Til
 # Taken by default for layers of at most SMALL_MAX_BYTES of routed experts at M <= SMALL_MAX_M (env
 # KDT_MOE_SMALL=0: off); the scratch holds h_all only for such layers. Predicted for model_code's layer (bf16):
 # ~10-15 us at M = 17, ~8-12 at M = 1. Measured (H200, scripts/bench_moe.py, one machine, session 14): version 2
-# -> this path 32.5 -> 23.7 us at M = 17, 21.0 -> 17.1 at M = 1. Likely (not timed apart) S1's route blocks are
-# its critical path (a warp reads the gate's E rows one 128-byte line per step, E x D / 32 steps, then E warp
-# sums): the next lever, e.g. all E logits in one pass over D.
+# -> this path 32.5 -> 23.7 us at M = 17, 21.0 -> 17.1 at M = 1. S1 was most of it: 11.0 us a launch at M = 1,
+# 17.3 at M = 17 (session 15's phase profile), against S2's 3.4 / 4.3. Its route warps read the gate's E rows
+# one after another, each row a chain of D / 32 dependent loads (~64 round trips to L2 for model_code) and a
+# warp sum; now all E logits come from one pass over D (P = 4 lanes per expert for E = 8, 8 loads in flight
+# per lane: ~8 round trips). Predicted: S1 11.0 -> ~4-5 us at M = 1 and 17.3 -> ~6-8 at M = 17. Measured (the
+# phase profile, s15a -> s15b): M = 17 17.3 -> 12.8 us, M = 8 (tiny's oracle chain) 16.2 -> 7.7, but M = 1
+# 11.0 -> 10.7: at one token the route warp is not what S1 waits on (its tt = 1 variant: open).
 SMALL_MAX_BYTES = 32 << 20  # routed expert bytes of a "small" layer, counted at 2 bytes a weight (E * 3 * I * D * 2)
 SMALL_MAX_M = 32  # tokens per forward (the learned drafter's DDTree steps verify 16-17)
 SMALL = os.environ.get("KDT_MOE_SMALL", "1") == "1"
@@ -1502,12 +1529,10 @@ def _small_gate_up_kernel(epw: int, tt: int):
     NO = NR // 2
     NACC, WB = NR * TT, _S_U * NR
     RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
-    RED1 = (NW, 1, WARP) if IS_SIM else (1, 1, 1)
     RRED = (NW, WARP) if IS_SIM else (1, 1)
     NIDX = SMALL_MAX_M * K_MAX
     mm = _v2_mm(epw, NR, TT, _S_U, False, 1, False)
     red = _v2_reduce(NR, TT)
-    red1 = _v2_reduce(1, 1)
     pick = _v2_pick(NR, TT)
 
     def kern(b, gate, bias, logits, topk_idx, topk_w, wgu, h_all, sgu, h_shared, M, Mh, nrb, ntg, ntg_s, n_group,
@@ -1524,21 +1549,39 @@ def _small_gate_up_kernel(epw: int, tt: int):
             red_v = cuda.shared.array(RRED, float32)
             red_i = cuda.shared.array(RRED, int32)
             sh_idx = cuda.shared.array(NIDX, int32)
-            redl = cuda.shared.array(RED1, float32)
-            a1 = cuda.local.array(1, float32)
             m = bid * NW + warp
             valid = m < M
             mc = min(m, M - 1)
             E = gate.shape[0]
             D = gate.shape[1]
-            for e in range(E):
-                s = float32(0.0)
-                for d in range(lane, D, WARP):
-                    s += gate[e, d] * b[mc, d]
-                a1[0] = s
-                red1(a1, 1, redl, warp, lane)
-                if lane == e % WARP:  # this lane reads logit e back in the routing (its own write)
-                    logits[mc, e] = a1[0]
+            # all E logits in one pass over D: P lanes per expert (a power of two, P * E <= 32), lane q of a
+            # group sums d = q, q + P, .. with 8 independent products in flight, then the group's butterfly
+            P = 1
+            while 2 * P * E <= WARP:
+                P *= 2
+            q = lane % P
+            for g in range(0, E, WARP // P):
+                e = g + lane // P
+                ec = min(e, E - 1)
+                s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = float32(0.0)
+                d = q
+                while d + 7 * P < D:
+                    s0 += gate[ec, d] * b[mc, d]
+                    s1 += gate[ec, d + P] * b[mc, d + P]
+                    s2 += gate[ec, d + 2 * P] * b[mc, d + 2 * P]
+                    s3 += gate[ec, d + 3 * P] * b[mc, d + 3 * P]
+                    s4 += gate[ec, d + 4 * P] * b[mc, d + 4 * P]
+                    s5 += gate[ec, d + 5 * P] * b[mc, d + 5 * P]
+                    s6 += gate[ec, d + 6 * P] * b[mc, d + 6 * P]
+                    s7 += gate[ec, d + 7 * P] * b[mc, d + 7 * P]
+                    d += 8 * P
+                while d < D:
+                    s0 += gate[ec, d] * b[mc, d]
+                    d += P
+                s = _group_sum(((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), P, red_v, warp, lane)
+                if q == 0 and e < E:
+                    logits[mc, e] = s
+            _warp_sync()  # the routing below reads other lanes' logits (through L2)
             _v2_route_token(logits, bias, mc, valid, E, n_group, topk_group, top_k, norm, scale, sh_c, sh_s, sh_g,
                             red_v, red_i, warp, lane, topk_idx, topk_w, sh_idx)
             return
