@@ -162,18 +162,20 @@ def run_case(name, target, prompt, drafter_fn, budget, block, steps, timer, top)
     # (826 us of attention per step in one run, 1328 us of linear_v2 in another) in the first eager run
     generate(target, prompt, n_tok, drafter=drafter_fn(), budget=budget, block_size=block)
     tags = PhaseTags(timer, target, d)
-    timer.on = True
-    res2 = generate(target, prompt, n_tok, drafter=d, budget=budget, block_size=block)
-    timer.on = False
-    tab = timer.table(by_phase=True)
-    n = res2.steps  # the run includes the prefill's kernels: measured alone below and subtracted
-    timer.on = True
-    # the prefill alone (max_new = 1: the root, no step), eager like the run above (the graphs are still
-    # off: session 7's table ran it with them on, so nothing was subtracted), with the same drafter: a
-    # learned drafter's prefill of its context rows is part of it
-    generate(target, prompt, 1, drafter=d, budget=budget, block_size=block)
-    timer.on = False
-    tags.remove()
+    try:
+        timer.on = True
+        res2 = generate(target, prompt, n_tok, drafter=d, budget=budget, block_size=block)
+        timer.on = False
+        tab = timer.table(by_phase=True)
+        n = res2.steps  # the run includes the prefill's kernels: measured alone below and subtracted
+        timer.on = True
+        # the prefill alone (max_new = 1: the root, no step), eager like the run above (the graphs are still
+        # off: session 7's table ran it with them on, so nothing was subtracted), with the same drafter: a
+        # learned drafter's prefill of its context rows is part of it
+        generate(target, prompt, 1, drafter=d, budget=budget, block_size=block)
+    finally:
+        timer.on = False
+        tags.remove()
     set_graphs(target, step, d, True, saved)
     pre = timer.table(by_phase=True)
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # kernel -> [launches, GPU us] per step

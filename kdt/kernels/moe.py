@@ -1482,8 +1482,7 @@ def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Til
 # S1  one launch of three roles: route blocks (each warp one token: its E logits in one pass over D, P lanes
 #     per expert, then the routing of version 2's router into topk_idx / topk_w), the gate_up of *every*
 #     routed expert for every token (h_all[e*Mh + m] = silu(g_e . b_m) * (u_e . b_m); block = expert x row
-#     tile x token tile), and the
-#     shared experts' gate_up (h_shared[m], natural layout);
+#     tile x token tile), and the shared experts' gate_up (h_shared[m], natural layout);
 # S2  one launch: block = row tile of D x token m; each warp sums its rows of the shared down and, with the
 #     token's own routing weights, the down of its k chosen experts: out[m] (+)= shared + sum_slot w * y.
 # E / k times the routed FLOPs of version 2 (no grouping), which costs nothing where every launch is latency.
