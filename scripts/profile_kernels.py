@@ -38,7 +38,10 @@ from kdt.fixture import read_fixture  # noqa: E402
 from kdt.kernels.bench import _spin  # noqa: E402
 from kdt.reference.decode import generate  # noqa: E402
 
-SPIN_US = 300  # longer than the host time of one launch: e0, the kernel and e1 run back to back
+# longer than the host time of one launch: e0, the kernel and e1 run back to back. 300 us until session 15, whose
+# s15b run read the target's q_absorb2 at 243 us a launch (15.5 at M = 1; s15a: 2.7 and 7.0): either a host side
+# longer than the spin or a GPU stall; 1000 us tells them apart (each eager launch then costs 1 ms of wall time)
+SPIN_US = 1000
 
 
 @cuda.jit
