@@ -250,6 +250,8 @@ def train_drafter(
     corpus: Path = typer.Option(None, help="Directory of training text (default: the Python standard library)."),
     pattern: str = typer.Option("*.py", help="File pattern under --corpus."),
     eval_prompts: int = typer.Option(8, help="Held-out prompts for the final acceptance table (0: skip)."),
+    repeats: int = typer.Option(1, help="Time every row of the acceptance table this many times, in rounds over "
+                                "all rows, and report each row's median tokens/s (its ratio to AR's too)."),
     budgets: str = typer.Option("16,64,256", help="DDTree budgets of the acceptance table, comma-separated (the "
                                 "suffix drafter runs at the largest)."),
     seed: int = typer.Option(0, help="Seed of data sampling and initialisation."),
@@ -284,14 +286,16 @@ def train_drafter(
         fail(f"--budgets must be comma-separated integers (got {budgets!r})")
     if not 1 <= table_budgets[0] <= table_budgets[-1] <= 512:
         fail(f"--budgets must lie in [1, 512] (got {budgets!r})")
+    if repeats < 1:
+        fail(f"--repeats must be >= 1 (got {repeats})")
     fx = _load(model)
     be = resolve_backend(backend)
-    log = lambda m: err.print(m, highlight=False)  # noqa: E731
+    log = lambda m: err.print(m, highlight=False, soft_wrap=True)  # noqa: E731  (table rows: one line each)
 
     def table(eval_stream) -> list[dict]:
         log(f"acceptance on {eval_prompts} held-out prompts ({be} backend, greedy; every run equals AR):")
         rows = acceptance_table(fx, eval_stream, budgets=table_budgets, prompts=eval_prompts, seed=seed, backend=be,
-                                dtype=dtype, log=log)
+                                dtype=dtype, log=log, repeats=repeats)
         if json_out is not None:
             json_out.write_text(json.dumps({"model": str(model), "backend": be, "dtype": dtype,
                                             "drafter_config": json.loads(fx.drafter.config.to_json()),
@@ -300,7 +304,8 @@ def train_drafter(
         return rows
 
     def record(rows: list[dict]) -> None:  # the table and how it was measured, into the drafter's meta
-        fx.drafter.meta.update(acceptance=rows, acceptance_run={"backend": be, "dtype": dtype, "prompts": eval_prompts})
+        run = {"backend": be, "dtype": dtype, "prompts": eval_prompts} | ({"repeats": repeats} if repeats > 1 else {})
+        fx.drafter.meta.update(acceptance=rows, acceptance_run=run)
 
     if eval_only:
         if fx.drafter is None:

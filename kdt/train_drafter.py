@@ -460,11 +460,15 @@ def corpus_streams(tokenizer, corpus: str | None = None, pattern: str = "*.py") 
 
 def acceptance_table(fixture, eval_stream: np.ndarray, budgets=(16, 64, 256), prompts: int = 8,
                      prompt_len: int = 64, new_tokens: int = 96, seed: int = 0, backend: str = "cpu",
-                     dtype: str = "float32", log: Callable[[str], None] = print) -> list[dict]:
+                     dtype: str = "float32", log: Callable[[str], None] = print, repeats: int = 1) -> list[dict]:
     """Greedy decoding of held-out prompts with the fixture's learned drafter at ``budgets``, the same
     drafter as a chain (budget = block - 1), the suffix drafter and AR, on ``backend``. Every run's
     tokens are checked equal to AR's (the invariant). Rows: drafter, budget, mean acceptance per step
-    (root included), steps, tokens/s (wall clock of this backend)."""
+    (root included), steps, tokens/s (wall clock of this backend) and its ratio to AR's.
+
+    ``repeats`` > 1 times every row that many times, in rounds over all rows (so that a drift of the
+    machine's speed meets every row alike), and reports each row's median tokens/s (the runs in
+    ``tokens_per_s_runs``); the decoding is deterministic, so acceptance is that of any round."""
     from kdt.drafters import SuffixDrafter, learned_drafter
     from kdt.engine import load_target
     from kdt.errors import KdtError
@@ -482,28 +486,42 @@ def acceptance_table(fixture, eval_stream: np.ndarray, budgets=(16, 64, 256), pr
     def drafter(kind):
         return learned if kind == "learned" else SuffixDrafter(cfg.vocab_size) if kind == "suffix" else None
 
-    rows = []
-    ar_tokens = []
-    for name, kind, budget in runs:
-        # warm-up of this configuration (JIT compilation, CUDA graph capture): not part of the timings
+    for _, kind, budget in runs:  # warm-up (JIT compilation, CUDA graph capture): not part of the timings
         generate(target, windows[0], 2 * B, drafter=drafter(kind), budget=budget, block_size=B)
-        acc, steps, n_tok, secs, host = [], 0, 0, 0.0, 0.0
-        for i, prompt in enumerate(windows):
-            res = generate(target, prompt, new_tokens, drafter=drafter(kind), budget=budget, block_size=B)
-            if kind is None:
-                ar_tokens.append(res.tokens)
-            elif res.tokens != ar_tokens[i]:
-                raise KdtError(f"invariant broken: {name} budget {budget} differs from AR on prompt {i}")
-            acc += res.accept_lengths
-            steps += res.steps
-            n_tok += len(res.tokens)
-            secs += res.decode_s
-            host += res.host_s or 0.0
-        row = {"drafter": name, "budget": budget, "block_size": B, "avg_accept": round(float(np.mean(acc)), 3),
-               "steps": steps, "tokens": n_tok, "tokens_per_s": round(n_tok / secs, 2),
-               # host time of the one-program device steps (None: the host runs the steps itself, CPU)
-               "host_us_per_step": round(host / steps * 1e6, 1) if host else None}
-        rows.append(row)
-        log(f"  {name:14s} budget {budget:4d}: acceptance {row['avg_accept']:.2f} per step, "
-            f"{row['tokens_per_s']:.1f} tokens/s" + (f", host {row['host_us_per_step']:.0f} us/step" if host else ""))
+    ar_tokens: list[list[int]] = []
+    rates: list[list[float]] = [[] for _ in runs]  # tokens/s of each row, one per round
+    rows: list[dict] = []
+    n_rounds = max(1, int(repeats))
+    for rnd in range(n_rounds):
+        if n_rounds > 1:
+            log(f"  round {rnd + 1} of {n_rounds}")
+        for j, (name, kind, budget) in enumerate(runs):
+            acc, steps, n_tok, secs, host = [], 0, 0, 0.0, 0.0
+            for i, prompt in enumerate(windows):
+                res = generate(target, prompt, new_tokens, drafter=drafter(kind), budget=budget, block_size=B)
+                if kind is None and rnd == 0:
+                    ar_tokens.append(res.tokens)
+                elif res.tokens != ar_tokens[i]:
+                    raise KdtError(f"invariant broken: {name} budget {budget} differs from AR on prompt {i}")
+                acc += res.accept_lengths
+                steps += res.steps
+                n_tok += len(res.tokens)
+                secs += res.decode_s
+                host += res.host_s or 0.0
+            rates[j].append(n_tok / secs)
+            if rnd == 0:
+                rows.append({"drafter": name, "budget": budget, "block_size": B,
+                             "avg_accept": round(float(np.mean(acc)), 3), "steps": steps, "tokens": n_tok,
+                             # host time of the one-program device steps (None: the host runs the steps, CPU)
+                             "host_us_per_step": round(host / steps * 1e6, 1) if host else None})
+            if rnd == n_rounds - 1:  # this row's runs are all in: its median, against AR's (row 0)
+                row, r = rows[j], rates[j]
+                row["tokens_per_s"] = round(float(np.median(r)), 2)
+                row["vs_ar"] = round(float(np.median(r) / np.median(rates[0])), 3)
+                if n_rounds > 1:
+                    row["tokens_per_s_runs"] = [round(x, 2) for x in r]
+                spread = f" (runs {min(r):.0f}-{max(r):.0f})" if n_rounds > 1 else ""
+                log(f"  {name:14s} budget {budget:4d}: acceptance {row['avg_accept']:.2f} per step, "
+                    f"{row['tokens_per_s']:.1f} tokens/s{spread}, {row['vs_ar']:.2f}x AR"
+                    + (f", host {row['host_us_per_step']:.0f} us/step" if row["host_us_per_step"] else ""))
     return rows

@@ -224,17 +224,22 @@ def test_train_drafter_cli_smoke(tmp_path):
     r = run_kdt("verify", out, "--backend", "cpu")
     assert r.returncode == 0 and "learned" in r.stdout, r.stdout[-2000:]
     r = run_kdt("train-drafter", out, "--eval-only", "--eval-prompts", "1", "--budgets", "4,16", "--json",
-                tmp_path / "acc.json",
+                tmp_path / "acc.json", "--repeats", "2",
                 "--out", tmp_path / "evaluated.h5")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "round 2 of 2" in r.stderr
     doc = json.loads((tmp_path / "acc.json").read_text())
     assert [(row["drafter"], row["budget"]) for row in doc["acceptance"]][:4] == [
         ("ar", 0), ("learned chain", 3), ("learned", 4), ("learned", 16)]
+    for row in doc["acceptance"]:  # --repeats 2: both runs kept, the median reported, the ratio to AR's median
+        runs = row["tokens_per_s_runs"]
+        assert len(runs) == 2 and row["tokens_per_s"] == pytest.approx(np.median(runs), rel=1e-3)
+        assert row["vs_ar"] == pytest.approx(row["tokens_per_s"] / doc["acceptance"][0]["tokens_per_s"], rel=1e-2)
     assert doc["training"]["steps"] == 2
     # --eval-only --out: a copy whose drafter meta records this table (the drafter itself unchanged)
     ev = read_fixture(tmp_path / "evaluated.h5")
     assert ev.drafter.meta["acceptance"] == doc["acceptance"]
-    assert ev.drafter.meta["acceptance_run"] == {"backend": "cpu", "dtype": "float32", "prompts": 1}
+    assert ev.drafter.meta["acceptance_run"] == {"backend": "cpu", "dtype": "float32", "prompts": 1, "repeats": 2}
     assert all(np.array_equal(ev.drafter.weights[n], fx.drafter.weights[n]) for n in fx.drafter.weights)
     # --resume: the drafter's shape (not the defaults' 2 layers, block 16), its weights as the start
     r = run_kdt("train-drafter", out, "--resume", "--out", tmp_path / "resumed.h5", "--minutes", "0", "--steps", "1",
