@@ -31,6 +31,19 @@ tests_beside_verify() {  # tests_beside_verify PYTEST_ARGS...: gpu tests (280 s 
   wait
   grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
 }
+tests_beside_verifies() {  # tests_beside_verifies MARK VERIFY_TIMEOUT PYTEST_ARGS...: the tests of MARK (300 s at most)
+  # and kdt verify of tiny (fp32) in the background, kdt verify of model_code (bf16) in the foreground, each in its
+  # own process (cold compiles take minutes); then the verify lines and the tests' summary
+  local mark=$1 vt=$2; shift 2
+  ( timeout 300 python3 -m pytest -q -m "$mark" "$@" -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
+  ( step verify_cuda_fp32 "$vt" python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+    printf '%s\n' "${summary[@]}" > "$OUT/verify_tiny.txt" ) &
+  step verify_code_cuda "$vt" python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  cat "$OUT/verify_tiny.txt"; rm -f "$OUT/verify_tiny.txt"
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 case "$MODE" in
 engine)
@@ -553,14 +566,7 @@ s14a)  # session 14: the small-layer MoE path (two launches, every expert for ev
   # drafter trained a fourth time in s14t): gpu tests (MoE code shape both paths, the engine) beside kdt verify; then
   # alone: the resumed drafter's table with the small path, the same drafter at budget 16 with it off
   # (KDT_MOE_SMALL=0: version 2, the code before), the tiny bench (issue 7) and the committed drafter at budget 16
-  ( timeout 300 python3 -m pytest -q -m gpu tests/test_engine_cuda.py "tests/test_kernels_moe.py::test_moe_forward_code_shape_gpu" \
-      -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1; echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
-  ( step verify_cuda_fp32 280 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
-    printf '%s\n' "${summary[@]}" > "$OUT/verify_tiny.txt" ) &
-  step verify_code_cuda 280 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
-  wait
-  cat "$OUT/verify_tiny.txt"; rm -f "$OUT/verify_tiny.txt"
-  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
+  tests_beside_verifies gpu 280 tests/test_engine_cuda.py "tests/test_kernels_moe.py::test_moe_forward_code_shape_gpu"
   step drafter_small 150 python3 -m kdt.cli train-drafter out/resumed14.h5 --eval-only --backend cuda --dtype bf16 \
     --json "$OUT/drafter-$day-model_code-cuda-s14-resumed-small.json"
   KDT_MOE_SMALL=0 step drafter_v2 90 python3 -m kdt.cli train-drafter out/resumed14.h5 --eval-only --backend cuda \
@@ -598,15 +604,8 @@ s15b)  # session 15: S1's route warps sum all E logits in one pass over D: the s
   # beside kdt verify; then alone: the phase profile (S1's time at M = 1 and 17 against s15a's), the committed
   # drafter's table at budget 16 (issue 8), the tiny bench (issue 7)
   # (the MoE simulator tests run on the GPU too: -m "gpu or kernels")
-  ( timeout 300 python3 -m pytest -q -m "gpu or kernels" tests/test_engine_cuda.py tests/test_kernels_moe.py \
-      -k "engine or code_shape or small or matches_reference or tee" -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1
-    echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
-  ( step verify_cuda_fp32 250 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
-    printf '%s\n' "${summary[@]}" > "$OUT/verify_tiny.txt" ) &
-  step verify_code_cuda 250 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
-  wait
-  cat "$OUT/verify_tiny.txt"; rm -f "$OUT/verify_tiny.txt"
-  grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
+  tests_beside_verifies "gpu or kernels" 250 tests/test_engine_cuda.py tests/test_kernels_moe.py \
+    -k "engine or code_shape or small or matches_reference or tee"
   step profile 150 python3 scripts/profile_kernels.py --cases tiny,code --json "$OUT/profile-kernels-$day-s15b.json"
   step drafter_committed 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda \
     --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s15b.json"
