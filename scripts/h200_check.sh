@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -628,7 +628,22 @@ s15c)  # session 15's last call: the MoE kernel tests on the GPU again (s15b's c
     --dtype bf16 --budgets 16 --json "$OUT/drafter-$day-model_code-cuda-s15c-after.json"
   grep -h "passed\|failed\|^FAILED" "$OUT/pytest_moe.log" | cut -c1-200
   grep -h "budget" "$OUT"/drafter_*.log | cut -c1-200 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c"; exit 2 ;;
+s16a)  # session 16: issue 8's table (budget 16) timed in 3 rounds on this code, then A/B by env on one machine: the
+  # drafter's matrices in bf16 (KDT_DRAFTER_DTYPE), the dense MLP's version 1 (silu * up in the gate_up launch), both;
+  # then the phase profile with the 1000 us spin (q_absorb2's stalls), then the drafter's gpu parity tests
+  tbl="python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3"
+  step drafter_base 200 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16a-base.json"
+  step drafter_bf16 120 env KDT_DRAFTER_DTYPE=bf16 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16a-bf16.json"
+  step drafter_mlp1 120 env KDT_DENSE_MLP_VERSION=1 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16a-mlp1.json"
+  step drafter_both 120 env KDT_DRAFTER_DTYPE=bf16 KDT_DENSE_MLP_VERSION=1 $tbl \
+    --json "$OUT/drafter-$day-model_code-cuda-s16a-both.json"
+  step profile 150 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-s16a.json"
+  step pytest_draft 100 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -k "draft_model or learned" \
+    -p no:cacheprovider -rf
+  grep -h "budget\|chain\| ar " "$OUT"/drafter_*.log | cut -c1-200
+  grep -h "passed\|failed\|^FAILED" "$OUT/pytest_draft.log" | cut -c1-200
+  grep -h "==\|graph wall\|q_absorb\|phase\|^   [a-z ]*forward  \|tree build  \|rest  " "$OUT/profile.log" | cut -c1-160 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

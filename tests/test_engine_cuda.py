@@ -186,19 +186,26 @@ def test_device_step_program_equals_separate_steps(rng):
     assert rel_err(after[1], after[0]) < 1e-5
 
 
-def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers: int) -> None:
+def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers: int, dtype="float32") -> None:
     """CudaDraftModel (the drafter on the target's kernels) == the NumPy DraftModel: context rows added
-    in two chunks (the second longer than its buffers: chunked again), then a block's logits."""
+    in two chunks (the second longer than its buffers: chunked again), then a block's logits. ``dtype``:
+    the drafter's matrices on the device (bf16: the weights are rounded to bf16 first, for both models)."""
+    from kdt.bf16 import round_to_bf16
     from kdt.engine.cuda_model import CudaDraftModel
     from kdt.reference.drafter import DrafterConfig, DraftModel, random_drafter_weights
 
     w = random_weights(cfg, int(rng.integers(1 << 30)))
     dcfg = DrafterConfig(target_layers=(0,), block_size=block, num_hidden_layers=layers, intermediate_size=16)
     dw = random_drafter_weights(dcfg, cfg, int(rng.integers(1 << 30)))
+    if dtype == "bf16":
+        dw = {k: round_to_bf16(np.asarray(v, np.float32)) for k, v in dw.items()}
     head = lm_head_weight(cfg, w)
     max_len = n_ctx + block + 8
     ref = DraftModel(dcfg, cfg, dw, w["model.embed_tokens.weight"], head, np.float64, max_len=max_len)
-    gpu = CudaDraftModel(dcfg, cuda_model(cfg, w, max_len=max_len), dw, max_len=max_len, max_tokens=max_tokens)
+    gpu = CudaDraftModel(dcfg, cuda_model(cfg, w, max_len=max_len), dw, max_len=max_len, max_tokens=max_tokens,
+                         dtype=dtype)
+    if dtype == "bf16":  # the matrices really are bf16 bits on the device
+        assert np.dtype(gpu.fc.dtype) == np.uint16 and np.dtype(gpu.layers[0].o_proj.dtype) == np.uint16
     feats = rng.standard_normal((n_ctx, cfg.hidden_size)).astype(np.float32)
     for m in (ref, gpu):
         m.add_context(feats[:2], 0)
@@ -212,14 +219,15 @@ def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers:
 
 
 @sim_only
-@pytest.mark.parametrize("fused", [False, True], indirect=True)
-def test_cuda_draft_model_matches_reference(fused, rng):
-    check_draft_model(MICRO, rng, n_ctx=7, max_tokens=4, block=3, layers=1)
+@pytest.mark.parametrize("dtype, fused", [("float32", False), ("float32", True), ("bf16", True)], indirect=["fused"])
+def test_cuda_draft_model_matches_reference(dtype, fused, rng):
+    check_draft_model(MICRO, rng, n_ctx=7, max_tokens=4, block=3, layers=1, dtype=dtype)
 
 
 @pytest.mark.gpu
-def test_cuda_draft_model_matches_reference_gpu(rng):
-    check_draft_model(preset("tiny"), rng, n_ctx=300, max_tokens=64, block=16, layers=2)
+@pytest.mark.parametrize("dtype", ["float32", "bf16"])
+def test_cuda_draft_model_matches_reference_gpu(dtype, rng):
+    check_draft_model(preset("tiny"), rng, n_ctx=300, max_tokens=64, block=16, layers=2, dtype=dtype)
 
 
 @pytest.mark.gpu

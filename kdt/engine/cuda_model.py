@@ -17,6 +17,7 @@ latent caches ``c_kv[n_layers, max_len, Rkv]`` and ``k_pe[n_layers, max_len, dr]
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -434,17 +435,26 @@ class CudaModel(DecoderStack):
         kd.compact_gpu(self.c_kv, self.k_pe, self.buf.L, self.buf.acc, int(acc.shape[0]))
 
 
+# The learned drafter's matrices on the device: "float32" (as stored) or "bf16" (env KDT_DRAFTER_DTYPE).
+DRAFTER_DTYPE = os.environ.get("KDT_DRAFTER_DTYPE", "float32")
+
+
 class CudaDraftModel(DecoderStack):
     """The learned block drafter (:mod:`kdt.reference.drafter`) on the GPU, on the target's kernels:
     its decoder stack is a :class:`DecoderStack` of dense layers, and it shares the target's
     ``embed_tokens`` and ``lm_head`` device arrays. Same interface as the reference ``DraftModel``:
-    ``add_context(features, start)``, ``block_logits(root, L) -> [B-1, V]`` (host copy)."""
+    ``add_context(features, start)``, ``block_logits(root, L) -> [B-1, V]`` (host copy).
+    ``dtype`` (default :data:`DRAFTER_DTYPE`): its matrices as "float32" or "bf16" bits (norms and the mask
+    embedding stay float32); the drafts may differ, the committed tokens never do (SPEC section 3)."""
 
     def __init__(self, dcfg, target: CudaModel, weights: dict[str, np.ndarray], max_len: int | None = None,
-                 max_tokens: int = 64):
+                 max_tokens: int = 64, dtype: str | None = None):
         dcfg.validate(target.cfg)
         self.dcfg, B, D = dcfg, dcfg.block_size, target.cfg.hidden_size
-        src = HostWeights(weights, np.float32)  # stored float32
+        self.dtype = DRAFTER_DTYPE if dtype is None else dtype
+        if self.dtype not in ("float32", "bf16"):
+            raise KdtError(f"the drafter's dtype must be float32 or bf16, got {self.dtype!r}")
+        src = HostWeights(weights, np.uint16 if self.dtype == "bf16" else np.float32)  # stored float32
         super().__init__(dcfg.stack_config(target.cfg), src, int(max_len or target.max_len) + 2 * B,
                          max(2 * B, max_tokens))
         self.fc, self.hidden_norm = src.matrix("fc.weight"), src.vector("hidden_norm.weight")
