@@ -11,6 +11,7 @@ import pytest
 from numba import cuda
 
 from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from kdt.kernels import ddtree as kd
 from kdt.kernels.ddtree import (
     _LOGP_CAP,
     _NODE_CAP,
@@ -332,16 +333,22 @@ def check_topk(rng, D: int, V: int, K: int, ties: bool) -> None:
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("warp", [False, True])  # the sort, and the warp selection where it applies
 @pytest.mark.parametrize("D, V, K", [(1, 5, 5), (3, 37, 8), (2, 64, 1), (2, 100, 10)])  # V = 100: rows longer
-# than the block (64 threads in the simulator) take the shared-memory sort; the others one element a thread
-def test_draft_topk(rng, D, V, K):
+# than the block (64 threads in the simulator) take the shared-memory sort; the others one element a thread;
+# the warp selection: V = 5 / 37 / 64 in 8 registers a lane, V = 100 (4 of the 8 holding columns)
+def test_draft_topk(rng, monkeypatch, warp, D, V, K):
+    monkeypatch.setattr(kd, "TOPK_WARP", warp)
     for ties in (False, True):
         check_topk(rng, D, V, K, ties)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, V, K", [(15, 256, 256), (15, 256, 16), (7, 1000, 64), (15, TOPK_MAX_V, 512)])
-def test_draft_topk_gpu(rng, D, V, K):
+@pytest.mark.parametrize("warp", [False, True])
+@pytest.mark.parametrize("D, V, K", [(15, 256, 256), (15, 256, 16), (15, 256, 32), (7, 300, 9), (4, 512, 32),
+                                     (7, 1000, 64), (15, TOPK_MAX_V, 512)])  # the warp path: K <= 32, V <= 512
+def test_draft_topk_gpu(rng, monkeypatch, warp, D, V, K):
+    monkeypatch.setattr(kd, "TOPK_WARP", warp)
     for ties in (False, True):
         check_topk(rng, D, V, K, ties)
 

@@ -714,6 +714,79 @@ def draft_topk(logits, out_tok, out_logp):
 
 register_ptx(draft_topk, (float32[:, ::1], int64[:, :, ::1], float32[:, :, ::1]))
 
+# The warp selection (``_warp_topk_kernel``): the rows of a small vocabulary with few candidates, the learned
+# drafter's case (model_code: D = 15 rows of V = 256, K = 16 at budget 16). draft_topk sorts every row whole
+# (36 compare-exchange stages, 6 through shared memory, then a 512-thread tree reduction): 6.5 us a launch
+# in the learned step's profile (docs/PERF.md, session 15). Here one warp per row keeps the row in
+# registers (VPL = cdiv(V, 32) values a lane) and makes K selection rounds, each a lane-local scan for the
+# best value ranking after the previous pick and one warp arg-max (5 shuffle pairs): ~K x 250 cycles.
+# Env KDT_TOPK_WARP=0 keeps every row on the sort (A/B).
+TOPK_WARP = os.environ.get("KDT_TOPK_WARP", "1") == "1"
+TOPK_WARP_MAX_VPL = 16  # V <= 512: the row in 16 registers a lane
+TOPK_WARP_MAX_K = 32  # past ~32 rounds the sort's fixed cost is the smaller
+_I32_MAX = 2**31 - 1
+
+
+@functools.cache
+def _warp_topk_kernel(VPL: int):
+    """draft_topk's contract (its docstring) for V <= 32 * VPL: grid = D blocks of one warp, lane j holds
+    the row's columns j + 32 i (i < VPL) in registers."""
+
+    @cuda.jit
+    def draft_topk_warp(logits, out_tok, out_logp):
+        xf = cuda.shared.array(_XCH, float32)  # lane exchange (simulator only)
+        xi = cuda.shared.array(_XCH, int32)
+        d = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        V = logits.shape[1]
+        K = out_tok.shape[2]
+        v = cuda.local.array(VPL, float32)
+        for i in range(VPL):
+            c = lane + WARP * i
+            v[i] = logits[d, c] if c < V else NEG_INF_F32
+        lse = float32(0.0)
+        pv = float32(np.inf)  # the previous pick (value, column): every column ranks after (+inf, -1)
+        pi = int32(-1)
+        for k in range(K):
+            bv = NEG_INF_F32  # this lane's best column ranking after the previous pick
+            bi = int32(_I32_MAX)
+            for i in range(VPL):
+                c = int32(lane + WARP * i)
+                x = v[i]
+                if c < V and _ranks_before(pv, pi, x, c) and _ranks_before(x, c, bv, bi):
+                    bv = x
+                    bi = c
+            j = 16
+            while j >= 1:  # the warp's best
+                ov = _lane(xf, lane, bv, lane ^ j)
+                oi = _lane(xi, lane, bi, lane ^ j)
+                if _ranks_before(ov, oi, bv, bi):
+                    bv = ov
+                    bi = oi
+                j //= 2
+            if k == 0:  # the row's maximum: logsumexp = max + log(sum(exp(v - max)))
+                acc = float32(0.0)
+                for i in range(VPL):
+                    if lane + WARP * i < V:
+                        acc += math.exp(v[i] - bv)
+                j = 16
+                while j >= 1:
+                    acc += _lane(xf, lane, acc, lane ^ j)
+                    j //= 2
+                lse = bv + math.log(acc)
+            if lane == 0:
+                out_tok[0, d, k] = bi
+                out_logp[0, d, k] = bv - lse
+            pv = bv
+            pi = bi
+
+    return draft_topk_warp
+
+
+for _vpl in (8, TOPK_WARP_MAX_VPL):
+    register_ptx(_warp_topk_kernel(_vpl), (float32[:, ::1], int64[:, :, ::1], float32[:, :, ::1]),
+                 name=f"draft_topk_warp[{_vpl}]")
+
 
 @functools.cache
 def _stage_draft_kernel(dtype):
@@ -809,11 +882,16 @@ register_ptx(step_commit, (_I32_2, _I32_1, _I64_1, _I64_1, _I64_1, _I64_1, _I64_
 
 
 def topk_gpu(logits, out_tok, out_logp, stream=0) -> None:
-    """:func:`draft_topk`: logits [D, V] (V <= TOPK_MAX_V) -> out_tok / out_logp [1, D, K]."""
+    """:func:`draft_topk`'s contract: logits [D, V] (V <= TOPK_MAX_V) -> out_tok / out_logp [1, D, K]; by
+    the warp selection for V <= 32 * TOPK_WARP_MAX_VPL and K <= TOPK_WARP_MAX_K (see TOPK_WARP), else the sort."""
     D, V = logits.shape
     if V > TOPK_MAX_V or tuple(out_tok.shape[:2]) != (1, D) or out_tok.shape[2] > V:
         raise ValueError(f"draft_topk: logits {tuple(logits.shape)} (V <= {TOPK_MAX_V}), out {tuple(out_tok.shape)}")
-    draft_topk[D, _TOPK_NT, stream](logits, out_tok, out_logp)
+    vpl = cdiv(V, WARP)
+    if TOPK_WARP and vpl <= TOPK_WARP_MAX_VPL and out_tok.shape[2] <= TOPK_WARP_MAX_K:
+        _warp_topk_kernel(8 if vpl <= 8 else TOPK_WARP_MAX_VPL)[D, WARP, stream](logits, out_tok, out_logp)
+    else:
+        draft_topk[D, _TOPK_NT, stream](logits, out_tok, out_logp)
 
 
 # --------------------------------------------------------------------------------------------------
