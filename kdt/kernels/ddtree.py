@@ -719,9 +719,11 @@ register_ptx(draft_topk, (float32[:, ::1], int64[:, :, ::1], float32[:, :, ::1])
 # (36 compare-exchange stages, 6 through shared memory, then a 512-thread tree reduction): 6.5 us a launch
 # in the learned step's profile (docs/PERF.md, session 15). Here one warp per row keeps the row in
 # registers (VPL = cdiv(V, 32) values a lane) and makes K selection rounds, each a lane-local scan for the
-# best value ranking after the previous pick and one warp arg-max (5 shuffle pairs): ~K x 250 cycles.
-# Env KDT_TOPK_WARP=0 keeps every row on the sort (A/B).
-TOPK_WARP = os.environ.get("KDT_TOPK_WARP", "1") == "1"
+# best value ranking after the previous pick and one warp arg-max (5 shuffle pairs). Predicted ~K x 250
+# cycles (~2 us); measured (H200, session 16, the learned step's phase profile): 14.1 us a launch against
+# the sort's 6.8, K = 16 dependent rounds of ~0.85 us each. So it is off by default (env KDT_TOPK_WARP=1
+# turns it on), kept beside the sort with its tests as the baseline for a next try.
+TOPK_WARP = os.environ.get("KDT_TOPK_WARP", "0") == "1"
 TOPK_WARP_MAX_VPL = 16  # V <= 512: the row in 16 registers a lane
 TOPK_WARP_MAX_K = 32  # past ~32 rounds the sort's fixed cost is the smaller
 _I32_MAX = 2**31 - 1
@@ -883,7 +885,7 @@ register_ptx(step_commit, (_I32_2, _I32_1, _I64_1, _I64_1, _I64_1, _I64_1, _I64_
 
 def topk_gpu(logits, out_tok, out_logp, stream=0) -> None:
     """:func:`draft_topk`'s contract: logits [D, V] (V <= TOPK_MAX_V) -> out_tok / out_logp [1, D, K]; by
-    the warp selection for V <= 32 * TOPK_WARP_MAX_VPL and K <= TOPK_WARP_MAX_K (see TOPK_WARP), else the sort."""
+    the warp selection when TOPK_WARP is on, V <= 32 * TOPK_WARP_MAX_VPL and K <= TOPK_WARP_MAX_K, else the sort."""
     D, V = logits.shape
     if V > TOPK_MAX_V or tuple(out_tok.shape[:2]) != (1, D) or out_tok.shape[2] > V:
         raise ValueError(f"draft_topk: logits {tuple(logits.shape)} (V <= {TOPK_MAX_V}), out {tuple(out_tok.shape)}")
