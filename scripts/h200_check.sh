@@ -654,6 +654,21 @@ s16b)  # session 16: the warp top-k: the ddtree and engine gpu tests (and the dd
   step profile 100 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-s16b.json"
   grep -h "budget\|chain\| ar " "$OUT"/drafter_*.log | cut -c1-200
   grep -h "==\|graph wall\|draft_topk\|phase\|^   [a-z ]*forward  \|tree build  \|rest  " "$OUT/profile.log" | cut -c1-160 ;;
+s16c)  # session 16: the drafter's next rows staged in gather_accepted (one launch less a learned step): the ddtree
+  # and engine gpu tests (and the ddtree simulator tests, run on the GPU) beside kdt verify; then issue 8's table
+  # (budget 16, 3 rounds) with this code, with the code before (carry out/base16 = `git archive 8d876c2 kdt`),
+  # with this code again (one machine, alternated); then the phase profile
+  tbl="python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3"
+  tests_beside_verifies "gpu or kernels" 250 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
+  step drafter_after 100 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16c-after.json"
+  OUTA=$(cd "$OUT" && pwd)
+  ( cd out/base16 && OUT=$OUTA KDT_CACHE_DIR=/tmp/kdt_cache_base step drafter_before 200 python3 -m kdt.cli \
+      train-drafter ../../fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3 \
+      --json "$OUTA/drafter-$day-model_code-cuda-s16c-before.json"; printf '%s\n' "${summary[-1]}" )
+  step drafter_after2 100 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16c-after2.json"
+  step profile 100 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-s16c.json"
+  grep -h "budget\|chain\| ar " "$OUT"/drafter_*.log | cut -c1-200
+  grep -h "==\|graph wall\|phase\|^   [a-z ]*forward  \|tree build  \|rest  \|gather\|stage_draft" "$OUT/profile.log" | cut -c1-160 ;;
 *) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"

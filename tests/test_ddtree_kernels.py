@@ -366,7 +366,8 @@ def test_stage_draft_and_gather_accepted(rng, wdtype):
     mask (context causal, the block sees the valid context and itself) and the block's input rows (the
     root's embedding, the mask rows; the context rows' x untouched); without the block, the context
     rows only. gather_accepted: the accepted rows of every feature layer side by side, zeros after
-    n_acc, and the next context's count and first position."""
+    n_acc, the next context's count and first position, and the next step's rows as stage_draft stages
+    them (this test checks stage_draft against explicit values first)."""
     B, L_ctx, n_ctx, L, root, V, Dx = 4, 9, 2, 11, 42, 50, 40
     dev = cuda.to_device
     embed32 = rng.standard_normal((V, Dx)).astype(np.float32)
@@ -401,9 +402,20 @@ def test_stage_draft_and_gather_accepted(rng, wdtype):
     feat = rng.standard_normal((F, Mx, D)).astype(np.float32)
     accepted = np.array([[0, 2, 5, -1, -1, -1]], np.int32)
     out, n_out, L_out = dev(poisoned((B, F * D))), dev(poisoned(1, np.int32)), dev(poisoned(1, np.int64))
-    gather_accepted[B, 8](dev(feat), dev(accepted), dev(np.array([3], np.int32)), dev(np.array([L], np.int64)),
-                          out, n_out, L_out)
+    # ... and the next step's drafter rows, as stage_draft stages them after the commit (L += 3, root = bonus)
+    staged = [dev(poisoned(n, np.int64)) for n in (2 * B, 2 * B, 1)] + [dev(np.full(4 * B * B, 0xAB, np.uint8))]
+    x, bonus = dev(poisoned((2 * B + 1, Dx))), root + 1
+    gather_accepted(dev(feat), dev(accepted), dev(np.array([3], np.int32)), dev(np.array([L], np.int64)),
+                    dev(np.array([bonus], np.int64)), out, n_out, L_out, *staged, dev(embed), dev(mask_rows), x,
+                    threads=8)
     want = np.zeros((B, F * D), np.float32)
     want[:3] = np.concatenate([feat[f][[0, 2, 5]] for f in range(F)], axis=1)
     np.testing.assert_array_equal(out.copy_to_host(), want)
     assert n_out.copy_to_host()[0] == 3 and L_out.copy_to_host()[0] == L
+    ref = [dev(poisoned(n, np.int64)) for n in (2 * B, 2 * B, 1)] + [dev(np.full(4 * B * B, 0xAB, np.uint8))]
+    x_ref = dev(poisoned((2 * B + 1, Dx)))
+    stage_draft(dev(np.array([L], np.int64)), dev(np.array([3], np.int32)), dev(np.array([L + 3], np.int64)),
+                dev(np.array([bonus], np.int64)), B, True, *ref, dev(embed), dev(mask_rows), x_ref)
+    for got, exp in zip(staged + [x], ref + [x_ref], strict=True):
+        np.testing.assert_array_equal(got.copy_to_host(), exp.copy_to_host())
+    assert staged[0].copy_to_host()[B] == bonus and staged[1].copy_to_host()[B] == L + 3

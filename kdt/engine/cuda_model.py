@@ -507,8 +507,9 @@ class CudaDraftModel(DecoderStack):
     def step_program(self, stream=0) -> None:
         """2B rows in one forward: B pending context rows (slots [L, L + B), causal), then the block
         (slots [L + B, L + 2B), positions from the root's) -> logits[:B-1] of depths 1..B-1. Inputs
-        staged on the device by :func:`kdt.kernels.ddtree.stage_draft`: positions, the mask
-        ``vis_step`` and the block's rows x[B:2B] (the root's embedding, the mask rows)."""
+        staged on the device by :func:`kdt.kernels.ddtree.stage_draft` (a first step) or the previous step's
+        :func:`kdt.kernels.ddtree.gather_accepted`: positions, the mask ``vis_step`` and the block's rows
+        x[B:2B] (the root's embedding, the mask rows)."""
         b, eps, s, B = self.buf, self.cfg.rms_norm_eps, stream, self.dcfg.block_size
         linear(self.feat_in[:B], self.fc, b.x[:B], stream=s)
         ew.rmsnorm(b.x[:B], self.hidden_norm, eps, b.x[:B], stream=s)

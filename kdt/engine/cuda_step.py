@@ -7,9 +7,10 @@ Two ways to run a step, same results:
   drafter, greedy or sampled.
 - :class:`StepGraph`: a whole greedy step as one program on the device, replayed from one CUDA graph
   per (budget, depth, K): [the learned drafter's block and its top-k] -> tree build -> stage ->
-  target forward -> argmax -> accept -> KV compaction -> [the accepted nodes' features, the drafter's
-  next context rows] -> commit (L += 1 + a, the bonus becomes the root). The drafter runs once per
-  step: the previous step's context rows and this step's block in one forward of 2B rows. The host
+  target forward -> argmax -> accept -> KV compaction -> [the accepted nodes' features as the drafter's
+  next context rows, and its next step's rows staged] -> commit (L += 1 + a, the bonus becomes the root).
+  The drafter runs once per step: the previous step's context rows and this step's block in one forward
+  of 2B rows (the first step's rows are staged by ``start``). The host
   writes a host drafter's draft into host memory mapped into the device (no copy call) before the
   launch and copies one record back after it: ``[1 + a, the committed tokens]``, the step's only
   synchronisation.
@@ -181,9 +182,11 @@ class StepGraph:
         the root (committed, not cached)."""
         self.model.buf.L.copy_to_device(np.array([L], np.int64))
         self.ops.root.copy_to_device(np.array([root], np.int64))
-        if self.draft_model is not None:  # its context holds [0, L) (the prefill's rows): none pending
-            self.draft_model.n_ctx.copy_to_device(np.zeros(1, np.int32))
-            self.draft_model.L_ctx.copy_to_device(np.array([L], np.int64))
+        dm = self.draft_model
+        if dm is not None:  # its context holds [0, L) (the prefill's rows): none pending; the first block staged
+            dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
+            dm.L_ctx.copy_to_device(np.array([L], np.int64))
+            self._stage_draft(True)
 
     def step(self, budget: int, D: int, K: int, draft=None) -> list[int]:
         """One step with ``budget`` nodes (0: autoregressive), depth D, K candidates per depth; ``draft``
@@ -221,12 +224,18 @@ class StepGraph:
         dm = self.draft_model
         if dm is None or self.drafter is None or int(dm.n_ctx.copy_to_host()[0]) == 0:
             return
-        B, db = dm.dcfg.block_size, dm.buf
-        kd.stage_draft(dm.L_ctx, dm.n_ctx, self.model.buf.L, self.ops.root, B, False, db.tokens, db.positions, db.L,
-                       dm.vis_step, dm.embed_tokens, dm.mask_rows, db.x)
-        dm.context_program(B, dm.vis_causal)
+        self._stage_draft(False)
+        dm.context_program(dm.dcfg.block_size, dm.vis_causal)
         dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
         self.drafter.committed = L
+
+    def _stage_draft(self, with_block: bool) -> None:
+        """The drafter's rows from the device state (:func:`kdt.kernels.ddtree.stage_draft`): its pending
+        context rows, with ``with_block`` then the block of the current root."""
+        dm = self.draft_model
+        db = dm.buf
+        kd.stage_draft(dm.L_ctx, dm.n_ctx, self.model.buf.L, self.ops.root, dm.dcfg.block_size, with_block, db.tokens,
+                       db.positions, db.L, dm.vis_step, dm.embed_tokens, dm.mask_rows, db.x)
 
     def _program(self, key: tuple, stream=0) -> None:
         budget, D, K, device_draft = key
@@ -236,9 +245,7 @@ class StepGraph:
         dm = self.draft_model if device_draft else None
         if dm is not None:  # the drafter: last step's context rows + this root's block, then top-K per depth
             B, db = dm.dcfg.block_size, dm.buf
-            kd.stage_draft(dm.L_ctx, dm.n_ctx, b.L, ops.root, B, True, db.tokens, db.positions, db.L, dm.vis_step,
-                           dm.embed_tokens, dm.mask_rows, db.x, stream=s)
-            dm.step_program(s)
+            dm.step_program(s)  # its rows staged by the previous step's gather_accepted (the first: by start)
             kd.topk_gpu(db.logits[:D], d_tok, d_logp, stream=s)
         kd.build_tree_gpu(ops.root, d_tok, d_logp, budget, b.L, out=t, stream=s)
         n = min(budget, D * K) + 1  # best-first search pops every reachable candidate up to the budget
@@ -248,7 +255,9 @@ class StepGraph:
         kd.accept_gpu(t.first_child, t.next_sibling, t.tokens, b.choice[: ops.nmax].reshape(1, ops.nmax),
                       t.n_nodes, out=acc, stream=s)
         kd.compact_gpu(m.c_kv, m.k_pe, b.L, acc.accepted[0], acc.n_accepted, stream=s)
-        if dm is not None:  # the accepted nodes' features: the drafter's context rows of the next step
-            kd.gather_accepted[B, 128, s](m.feat, acc.accepted, acc.n_accepted, b.L, dm.feat_in[:B], dm.n_ctx,
-                                          dm.L_ctx)
+        if dm is not None:  # the accepted nodes' features: the drafter's context rows of the next step, and
+            # the next step's drafter rows staged (its block: the bonus token's)
+            kd.gather_accepted(m.feat, acc.accepted, acc.n_accepted, b.L, acc.bonus, dm.feat_in[:B], dm.n_ctx,
+                               dm.L_ctx, db.tokens, db.positions, db.L, dm.vis_step, dm.embed_tokens, dm.mask_rows,
+                               db.x, stream=s)
         kd.step_commit[1, 128, s](acc.accepted, acc.n_accepted, acc.bonus, b.choice, b.L, ops.root, self.record)

@@ -791,80 +791,109 @@ for _vpl in (8, TOPK_WARP_MAX_VPL):
 
 
 @functools.cache
-def _stage_draft_kernel(dtype):
+def _stage_rows_fn(dtype):
     load = weight_loader(dtype)
 
-    @cuda.jit
-    def stage_draft(L_ctx, n_ctx, L_target, root, B, with_block, tokens, positions, L_out, vis, embed, mask_rows, x):
-        """The learned drafter's rows in a device DDTree step. B context rows: the previous step's
-        accepted nodes (n_ctx[0] of them valid, the rest padding) at positions L_ctx[0] + i; with
-        ``with_block``, then the block [root, mask x (B-1)] at positions L + j (L = L_target[0], the
-        root's position). Writes positions[:B or 2B], L_out[0] = L_ctx[0] (the rows' cache slots follow
-        it), tokens[B] = root, and with the block the [2B, 2B] mask vis (context rows causal among
-        themselves; block rows see the valid context rows and the whole block) and the block's input
-        rows x[B:2B, :D] = [embed[root], mask_rows[0..B-2]] (embed [V, D] f32 or bf16, mask_rows
-        [B-1, D] f32, x f32). One thread per element of the mask; the threads stride over x's rows."""
-        t = cuda.grid(1)
-        Lc = L_ctx[0]
+    @cuda.jit(device=True, inline="always")
+    def stage_rows(t, nth, Lc, nc, Lt, r, B, with_block, tokens, positions, L_out, vis, embed, mask_rows, x):
+        """The learned drafter's rows in a device DDTree step, by thread t of nth (nth >= 2B). B context rows
+        (nc of them valid, the rest padding) at positions Lc + i; with ``with_block``, then the block [root r,
+        mask x (B-1)] at positions Lt + j (Lt: the root's position). Writes positions[:B or 2B], L_out[0] = Lc
+        (the rows' cache slots follow it), tokens[B] = r, and with the block the [2B, 2B] mask vis (context
+        rows causal among themselves; block rows see the valid context rows and the whole block) and the
+        block's input rows x[B:2B, :D] = [embed[r], mask_rows[0..B-2]] (embed [V, D] f32 or bf16, mask_rows
+        [B-1, D] f32, x f32)."""
         M = 2 * B if with_block else B
         if t < M:
-            positions[t] = Lc + t if t < B else L_target[0] + (t - B)
+            positions[t] = Lc + t if t < B else Lt + (t - B)
         if t == 0:
             L_out[0] = Lc
             if with_block:
-                tokens[B] = root[0]
-        if not with_block:
-            return
-        if t < M * M:
-            i = t // M
-            j = t - i * M
-            see = j <= i if i < B else (j < n_ctx[0] or j >= B)
-            vis[t] = 1 if see else 0
-        D = x.shape[1]
-        r = root[0]
-        for e in range(t, B * D, cuda.gridsize(1)):
-            i = e // D
-            c = e - i * D
-            x[B + i, c] = load(embed[r, c]) if i == 0 else mask_rows[i - 1, c]
+                tokens[B] = r
+        if with_block:
+            for e in range(t, M * M, nth):
+                i = e // M
+                j = e - i * M
+                see = j <= i if i < B else (j < nc or j >= B)
+                vis[e] = 1 if see else 0
+            D = x.shape[1]
+            for e in range(t, B * D, nth):
+                i = e // D
+                c = e - i * D
+                x[B + i, c] = load(embed[r, c]) if i == 0 else mask_rows[i - 1, c]
+
+    return stage_rows
+
+
+@functools.cache
+def _stage_draft_kernel(dtype):
+    stage_rows = _stage_rows_fn(dtype)
+
+    @cuda.jit
+    def stage_draft(L_ctx, n_ctx, L_target, root, B, with_block, tokens, positions, L_out, vis, embed, mask_rows, x):
+        """The drafter's rows (``_stage_rows_fn``) from the device state: context rows n_ctx[0] valid from
+        L_ctx[0], the block of root[0] at L_target[0]."""
+        stage_rows(cuda.grid(1), cuda.gridsize(1), L_ctx[0], n_ctx[0], L_target[0], root[0], B, with_block != 0,
+                   tokens, positions, L_out, vis, embed, mask_rows, x)
 
     return stage_draft
 
 
 def stage_draft(L_ctx, n_ctx, L_target, root, B: int, with_block: bool, tokens, positions, L_out, vis, embed,
                 mask_rows, x, stream=0) -> None:
-    """:func:`_stage_draft_kernel`'s kernel (its docstring) over max(4 B^2, B) threads."""
+    """:func:`_stage_draft_kernel`'s kernel over max(4 B^2, B) threads: a step program's first block
+    (later blocks are staged by :func:`gather_accepted`), and the last context rows after the last step."""
     n = 4 * B * B if with_block else B
     _stage_draft_kernel(np.dtype(embed.dtype))[cdiv(n, STAGE_THREADS), STAGE_THREADS, stream](
         L_ctx, n_ctx, L_target, root, np.int32(B), np.int32(1 if with_block else 0), tokens, positions, L_out, vis,
         embed, mask_rows, x)
 
 
+@functools.cache
+def _gather_accepted_kernel(dtype):
+    stage_rows = _stage_rows_fn(dtype)
+
+    @cuda.jit
+    def gather_accepted(feat, accepted, n_acc_dev, L_target, bonus, out, n_ctx, L_ctx, tokens, positions, L_out, vis,
+                        embed, mask_rows, x):
+        """out[i, f*D + c] = feat[f, accepted[0, i], c] for the accepted rows i < n_acc, 0 for the rest:
+        the target features [F, M, D] of the accepted nodes as the drafter's next context rows [B, F*D];
+        n_ctx[0] = n_acc and L_ctx[0] = L (their first position; run before the commit moves L). Then the
+        next step's drafter rows as :func:`stage_draft` would stage them after the commit (the context
+        from L, n_acc valid; the block of the bonus token at L + n_acc), so the next step starts with its
+        drafter's forward: one launch less a step. grid = B blocks (one per output row)."""
+        i = cuda.blockIdx.x
+        D = feat.shape[2]
+        n = n_acc_dev[0]
+        Lt = L_target[0]
+        ok = i < n
+        src = accepted[0, i] if ok else 0
+        for c in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+            f = c // D
+            out[i, c] = feat[f, src, c - f * D] if ok else float32(0.0)
+        if i == 0 and cuda.threadIdx.x == 0:
+            n_ctx[0] = n
+            L_ctx[0] = Lt
+        stage_rows(cuda.grid(1), cuda.gridsize(1), Lt, n, Lt + n, bonus[0], out.shape[0], True, tokens, positions,
+                   L_out, vis, embed, mask_rows, x)
+
+    return gather_accepted
+
+
+def gather_accepted(feat, accepted, n_acc, L_target, bonus, out, n_ctx, L_ctx, tokens, positions, L_out, vis, embed,
+                    mask_rows, x, threads: int = 128, stream=0) -> None:
+    """:func:`_gather_accepted_kernel`'s kernel over B = out.shape[0] blocks (B * threads >= 2B)."""
+    _gather_accepted_kernel(np.dtype(embed.dtype))[out.shape[0], threads, stream](
+        feat, accepted, n_acc, L_target, bonus, out, n_ctx, L_ctx, tokens, positions, L_out, vis, embed, mask_rows, x)
+
+
 for _dt, _emb in (("float32", float32[:, ::1]), ("uint16", uint16[:, ::1])):
-    register_ptx(_stage_draft_kernel(_dt), (_I64_1, _I32_1, _I64_1, _I64_1, int32, int32, _I64_1, _I64_1, _I64_1,
-                                            uint8[::1], _emb, float32[:, ::1], float32[:, ::1]),
+    _stage = (_I64_1, _I64_1, _I64_1, uint8[::1], _emb, float32[:, ::1], float32[:, ::1])
+    register_ptx(_stage_draft_kernel(_dt), (_I64_1, _I32_1, _I64_1, _I64_1, int32, int32) + _stage,
                  name=f"stage_draft[{_dt}]")
-
-
-@cuda.jit
-def gather_accepted(feat, accepted, n_acc_dev, L_target, out, n_ctx, L_ctx):
-    """out[i, f*D + c] = feat[f, accepted[0, i], c] for the accepted rows i < n_acc, 0 for the rest:
-    the target features [F, M, D] of the accepted nodes as the drafter's next context rows [B, F*D];
-    n_ctx[0] = n_acc and L_ctx[0] = L (their first position; run before the commit moves L).
-    grid = B blocks (one per output row)."""
-    i = cuda.blockIdx.x
-    D = feat.shape[2]
-    n = n_acc_dev[0]
-    ok = i < n
-    src = accepted[0, i] if ok else 0
-    for c in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
-        f = c // D
-        out[i, c] = feat[f, src, c - f * D] if ok else float32(0.0)
-    if i == 0 and cuda.threadIdx.x == 0:
-        n_ctx[0] = n
-        L_ctx[0] = L_target[0]
-
-
-register_ptx(gather_accepted, (float32[:, :, ::1], _I32_2, _I32_1, _I64_1, float32[:, ::1], _I32_1, _I64_1))
+    register_ptx(_gather_accepted_kernel(_dt),
+                 (float32[:, :, ::1], _I32_2, _I32_1, _I64_1, _I64_1, float32[:, ::1], _I32_1, _I64_1) + _stage,
+                 name=f"gather_accepted[{_dt}]")
 
 
 @cuda.jit
