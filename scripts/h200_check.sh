@@ -44,6 +44,8 @@ tests_beside_verifies() {  # tests_beside_verifies MARK VERIFY_TIMEOUT PYTEST_AR
   cat "$OUT/verify_tiny.txt"; rm -f "$OUT/verify_tiny.txt"
   grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
 }
+# session 16: issue 8's table at budget 16, every row timed in 3 rounds (modes s16a-c)
+tbl="python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 case "$MODE" in
 engine)
@@ -631,7 +633,6 @@ s15c)  # session 15's last call: the MoE kernel tests on the GPU again (s15b's c
 s16a)  # session 16: issue 8's table (budget 16) timed in 3 rounds on this code, then A/B by env on one machine: the
   # drafter's matrices in bf16 (KDT_DRAFTER_DTYPE), the dense MLP's version 1 (silu * up in the gate_up launch), both;
   # then the phase profile with the 1000 us spin (q_absorb2's stalls), then the drafter's gpu parity tests
-  tbl="python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3"
   step drafter_base 200 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16a-base.json"
   step drafter_bf16 120 env KDT_DRAFTER_DTYPE=bf16 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16a-bf16.json"
   step drafter_mlp1 120 env KDT_DENSE_MLP_VERSION=1 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16a-mlp1.json"
@@ -646,7 +647,6 @@ s16a)  # session 16: issue 8's table (budget 16) timed in 3 rounds on this code,
 s16b)  # session 16: the warp top-k: the ddtree and engine gpu tests (and the ddtree simulator tests, run on the GPU)
   # beside kdt verify; then issue 8's table (budget 16, 3 rounds) with the warp top-k, with the sort
   # (KDT_TOPK_WARP=0), with the warp top-k again (one machine, alternated); then the phase profile
-  tbl="python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3"
   tests_beside_verifies "gpu or kernels" 250 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
   step drafter_warp 150 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16b-warp.json"
   step drafter_sort 100 env KDT_TOPK_WARP=0 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16b-sort.json"
@@ -658,7 +658,6 @@ s16c)  # session 16: the drafter's next rows staged in gather_accepted (one laun
   # and engine gpu tests (and the ddtree simulator tests, run on the GPU) beside kdt verify; then issue 8's table
   # (budget 16, 3 rounds) with this code, with the code before (carry out/base16 = `git archive 8d876c2 kdt`),
   # with this code again (one machine, alternated); then the phase profile
-  tbl="python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3"
   tests_beside_verifies "gpu or kernels" 250 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
   step drafter_after 100 $tbl --json "$OUT/drafter-$day-model_code-cuda-s16c-after.json"
   OUTA=$(cd "$OUT" && pwd)

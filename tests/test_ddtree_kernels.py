@@ -403,8 +403,12 @@ def test_stage_draft_and_gather_accepted(rng, wdtype):
     accepted = np.array([[0, 2, 5, -1, -1, -1]], np.int32)
     out, n_out, L_out = dev(poisoned((B, F * D))), dev(poisoned(1, np.int32)), dev(poisoned(1, np.int64))
     # ... and the next step's drafter rows, as stage_draft stages them after the commit (L += 3, root = bonus)
-    staged = [dev(poisoned(n, np.int64)) for n in (2 * B, 2 * B, 1)] + [dev(np.full(4 * B * B, 0xAB, np.uint8))]
-    x, bonus = dev(poisoned((2 * B + 1, Dx))), root + 1
+    def poisoned_rows():  # tokens, positions, L_out, vis, x
+        return [dev(poisoned(n, np.int64)) for n in (2 * B, 2 * B, 1)] + [
+            dev(np.full(4 * B * B, 0xAB, np.uint8)), dev(poisoned((2 * B + 1, Dx)))]
+
+    *staged, x = poisoned_rows()
+    bonus = root + 1
     gather_accepted(dev(feat), dev(accepted), dev(np.array([3], np.int32)), dev(np.array([L], np.int64)),
                     dev(np.array([bonus], np.int64)), out, n_out, L_out, *staged, dev(embed), dev(mask_rows), x,
                     threads=8)
@@ -412,8 +416,7 @@ def test_stage_draft_and_gather_accepted(rng, wdtype):
     want[:3] = np.concatenate([feat[f][[0, 2, 5]] for f in range(F)], axis=1)
     np.testing.assert_array_equal(out.copy_to_host(), want)
     assert n_out.copy_to_host()[0] == 3 and L_out.copy_to_host()[0] == L
-    ref = [dev(poisoned(n, np.int64)) for n in (2 * B, 2 * B, 1)] + [dev(np.full(4 * B * B, 0xAB, np.uint8))]
-    x_ref = dev(poisoned((2 * B + 1, Dx)))
+    *ref, x_ref = poisoned_rows()
     stage_draft(dev(np.array([L], np.int64)), dev(np.array([3], np.int32)), dev(np.array([L + 3], np.int64)),
                 dev(np.array([bonus], np.int64)), B, True, *ref, dev(embed), dev(mask_rows), x_ref)
     for got, exp in zip(staged + [x], ref + [x_ref], strict=True):
