@@ -27,9 +27,11 @@ generate: $(STAMP)
 	$(BIN)/kdt generate --model $(CODE_MODEL) --prompt "import " --max-new-tokens 200
 
 # Kernel tests run in the CUDA simulator on small shapes; tests/test_compile_ptx.py also compiles
-# every kernel for sm_90 (H200) in a subprocess with the simulator off.
+# every kernel for sm_90 (H200) in subprocesses with the simulator off. The simulator runs a Python thread
+# per CUDA thread under one GIL, so the tests spread over a worker per core (pytest-xdist; worksteal: the
+# engine's long simulator tests do not hold the queue up); the slowest are listed at the end.
 test: $(STAMP)  ## all tests that need no GPU (what CI runs)
-	NUMBA_ENABLE_CUDASIM=1 OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	NUMBA_ENABLE_CUDASIM=1 OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist worksteal --durations=20
 
 test-gpu: $(STAMP)  ## the gpu-marked tests at real shapes, on a CUDA machine
 	$(BIN)/python -m pytest -q -m gpu

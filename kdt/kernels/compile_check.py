@@ -3,6 +3,9 @@
 The CUDA simulator checks no types, so CI also runs ``python -m kdt.kernels.compile_check``: NVVM
 (from ``nvidia-cuda-nvcc-cu12``) compiles each ``(kernel, signature)`` of ``PTX_REGISTRY`` to PTX.
 Must run with the simulator off. Exit code 1 if any kernel fails.
+
+``--shard I/N`` compiles every N-th entry from the I-th (1-based), so N processes share the work
+(the test runs one per shard, spread over pytest-xdist's workers).
 """
 
 from __future__ import annotations
@@ -14,7 +17,23 @@ import time
 MODULES = ("linear", "elementwise", "mla", "moe", "ddtree", "randn")
 
 
-def main() -> int:
+def parse_shard(argv: list[str]) -> tuple[int, int]:
+    """``["--shard", "I/N"]`` -> (I - 1, N); no argument -> (0, 1), the whole registry."""
+    if not argv:
+        return 0, 1
+    if len(argv) != 2 or argv[0] != "--shard":
+        raise SystemExit("usage: python -m kdt.kernels.compile_check [--shard I/N]")
+    try:
+        i, n = (int(x) for x in argv[1].split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard {argv[1]}: want I/N, e.g. 1/4") from None
+    if not 1 <= i <= n:
+        raise SystemExit(f"--shard {argv[1]}: want 1 <= I <= N")
+    return i - 1, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    shard, n_shards = parse_shard(sys.argv[1:] if argv is None else argv)
     from numba import config
 
     if config.ENABLE_CUDASIM:
@@ -26,9 +45,10 @@ def main() -> int:
 
     for m in MODULES:
         importlib.import_module(f"kdt.kernels.{m}")
+    entries = PTX_REGISTRY[shard::n_shards]
     failures = 0
     t_all = time.perf_counter()
-    for name, fn, sig, device in PTX_REGISTRY:
+    for name, fn, sig, device in entries:
         t0 = time.perf_counter()
         try:
             ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0), device=device)
@@ -37,8 +57,8 @@ def main() -> int:
             failures += 1
             status = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:160]}"
         print(f"{name:40s} {status}  {time.perf_counter() - t0:5.2f} s")
-    print(f"{len(PTX_REGISTRY) - failures}/{len(PTX_REGISTRY)} kernels compiled for sm_90 in "
-          f"{time.perf_counter() - t_all:.1f} s")
+    print(f"{len(entries) - failures}/{len(entries)} kernels compiled for sm_90 in "
+          f"{time.perf_counter() - t_all:.1f} s (shard {shard + 1}/{n_shards} of {len(PTX_REGISTRY)})")
     return 1 if failures else 0
 
 
