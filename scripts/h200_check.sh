@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -668,7 +668,31 @@ s16c)  # session 16: the drafter's next rows staged in gather_accepted (one laun
   step profile 100 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-s16c.json"
   grep -h "budget\|chain\| ar " "$OUT"/drafter_*.log | cut -c1-200
   grep -h "==\|graph wall\|phase\|^   [a-z ]*forward  \|tree build  \|rest  \|gather\|stage_draft" "$OUT/profile.log" | cut -c1-160 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c"; exit 2 ;;
+s17a)  # session 17: Nsight Compute on the learned step's single-warp kernels, at its shapes: tree_build (15 x 16
+  # drafts, budget 16: the warp search) and draft_topk (15 x 256 logits, K 16: the sort, then the warp selection);
+  # what the ~4x between their time and their instruction count is made of (stall reasons, issue rate)
+  command -v ncu > /dev/null || PATH=$PATH:$(ls -d /opt/nvidia/nsight-compute/*/ | tail -1)
+  ncu --version | tail -1
+  met='smsp__inst_executed.sum,smsp__cycles_active.max,gpu__time_duration.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
+  secs="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats"
+  step ncu_tree 200 ncu --clock-control none -k regex:tree_build -c 1 $secs --metrics "$met" \
+    python3 scripts/bench_tree.py --budgets 16 --shapes 15x16
+  cat > /tmp/topk_once.py <<'PY'
+import numpy as np
+from numba import cuda
+from kdt.kernels import ddtree as kd
+x = cuda.to_device(np.random.default_rng(0).standard_normal((15, 256)).astype(np.float32))
+tok, lp = cuda.device_array((1, 15, 16), np.int64), cuda.device_array((1, 15, 16), np.float32)
+for warp in (False, True):
+    kd.TOPK_WARP = warp
+    kd.topk_gpu(x, tok, lp)
+    cuda.synchronize()
+    print("warp" if warp else "sort", tok.copy_to_host()[0, 0, :4])
+PY
+  step ncu_topk 200 ncu --clock-control none -k regex:draft_topk -c 2 $secs --metrics "$met" python3 /tmp/topk_once.py
+  grep -h "tree_build\|draft_topk\|Duration\|Elapsed Cycles\|Executed Ipc A\|Issue Slots Busy\|Warp Cycles Per Issued\|Registers Per\|inst_executed.sum\|cycles_active.max\|stalled_[a-z_]*_per_issue_active.ratio  *[a-z/]*  *[0-9.]*[1-9]" \
+    "$OUT"/ncu_*.log | grep -v "  0$\|  0,00$\|  0.00$" | cut -c1-150 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
