@@ -28,8 +28,8 @@ generate: $(STAMP)
 
 # Kernel tests run in the CUDA simulator on small shapes; tests/test_compile_ptx.py also compiles
 # every kernel for sm_90 (H200) in subprocesses with the simulator off. The simulator runs a Python thread
-# per CUDA thread under one GIL, so the tests spread over a worker per core (pytest-xdist; worksteal: the
-# engine's long simulator tests do not hold the queue up); the slowest are listed at the end.
+# per CUDA thread under one GIL, so the tests spread over a worker per core (pytest-xdist; worksteal: an idle
+# worker takes queued tests from a busy one); the slowest are listed at the end.
 test: $(STAMP)  ## all tests that need no GPU (what CI runs)
 	NUMBA_ENABLE_CUDASIM=1 OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist worksteal --durations=20
 

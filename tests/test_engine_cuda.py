@@ -110,8 +110,8 @@ def test_forward_without_q_lora_matches_reference(rng):
 def test_cuda_ddtree_equals_ar_for_any_drafter(drafter, rng):
     """The invariant on the CUDA path (kernels for every layer, tree build, accept, compaction), one drafter a
     test (simulator time: they run on separate workers). AR comes from the reference, whose logits bound the
-    steps compared (``safe_len``); the CUDA forward's own AR equals the reference's in the tests above and
-    in the device-step test below."""
+    steps compared (``safe_len``); the CUDA forward's logits equal the reference's in the forward tests above
+    (prefill, tree verify, compaction, an AR step)."""
     w = random_weights(MICRO, int(rng.integers(1 << 30)))
     prompt = rng.integers(0, MICRO.vocab_size, int(rng.integers(1, 5)))
     n = 5
