@@ -10,6 +10,7 @@ Must run with the simulator off. Exit code 1 if any kernel fails.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 import time
@@ -19,16 +20,15 @@ MODULES = ("linear", "elementwise", "mla", "moe", "ddtree", "randn")
 
 def parse_shard(argv: list[str]) -> tuple[int, int]:
     """``["--shard", "I/N"]`` -> (I - 1, N); no argument -> (0, 1), the whole registry."""
-    if not argv:
-        return 0, 1
-    if len(argv) != 2 or argv[0] != "--shard":
-        raise SystemExit("usage: python -m kdt.kernels.compile_check [--shard I/N]")
+    ap = argparse.ArgumentParser(prog="python -m kdt.kernels.compile_check", description=__doc__.splitlines()[0])
+    ap.add_argument("--shard", default="1/1", metavar="I/N", help="compile every N-th kernel from the I-th (1-based)")
+    shard = ap.parse_args(argv).shard
     try:
-        i, n = (int(x) for x in argv[1].split("/"))
+        i, n = (int(x) for x in shard.split("/"))
     except ValueError:
-        raise SystemExit(f"--shard {argv[1]}: want I/N, e.g. 1/4") from None
+        ap.error(f"--shard {shard}: want I/N, e.g. 1/4")
     if not 1 <= i <= n:
-        raise SystemExit(f"--shard {argv[1]}: want 1 <= I <= N")
+        ap.error(f"--shard {shard}: want 1 <= I <= N")
     return i - 1, n
 
 
