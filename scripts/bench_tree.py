@@ -5,6 +5,9 @@ both; checks that every output is equal, then times each (GPU time per launch, o
 Python's ~130 us per launch).
 
     python scripts/bench_tree.py [--budgets 1,7,16,31] [--shapes 7x1,15x1,15x16,15x32] [--json F]
+
+``--logits DxVxK`` (e.g. 15x256x16) times the learned step's launches from drafter logits instead: draft_topk,
+tree_build on its output, and both back to back, at each budget.
 """
 
 from __future__ import annotations
@@ -25,10 +28,29 @@ def main() -> None:
     ap.add_argument("--budgets", default="1,7,16,31")
     ap.add_argument("--shapes", default="7x1,15x1,15x16,15x32", help="D x K of the drafts")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--logits", default=None, help="DxVxK: time draft_topk and tree_build from logits")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    for shape in a.shapes.split(","):
+    if a.logits:
+        D, V, K = (int(x) for x in a.logits.split("x"))
+        logits = cuda.to_device(rng.standard_normal((D, V)).astype(np.float32) * 3)
+        tok, lp = cuda.device_array((1, D, K), np.int64), cuda.device_array((1, D, K), np.float32)
+        root, L = cuda.to_device(np.array([3], np.int64)), cuda.to_device(np.array([100], np.int64))
+        for budget in (int(b) for b in a.budgets.split(",")):
+            out = kd.alloc_tree(1, budget + 1)
+            us = dict(
+                topk=time_us(lambda i: kd.topk_gpu(logits, tok, lp)),
+                tree=time_us(lambda i, b=budget, o=out: kd.build_tree_gpu(root, tok, lp, b, L, out=o)),
+                both=time_us(lambda i, b=budget, o=out: (kd.topk_gpu(logits, tok, lp),
+                                                         kd.build_tree_gpu(root, tok, lp, b, L, out=o))))
+            rows.append(dict(D=D, V=V, K=K, budget=budget, **{f"{k}_us": round(v, 2) for k, v in us.items()}))
+            print(f"D={D} V={V} K={K} budget={budget:4d}: " + "  ".join(f"{k} {v:6.2f} us" for k, v in us.items()),
+                  flush=True)
+        shapes = ""
+    else:
+        shapes = a.shapes
+    for shape in filter(None, shapes.split(",")):
         D, K = (int(x) for x in shape.split("x"))
         for budget in (int(b) for b in a.budgets.split(",")):
             logp = -np.sort(rng.exponential(1.0, size=(1, D, K)), axis=-1).astype(np.float32)

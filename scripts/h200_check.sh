@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -46,6 +46,13 @@ tests_beside_verifies() {  # tests_beside_verifies MARK VERIFY_TIMEOUT PYTEST_AR
 }
 # session 16: issue 8's table at budget 16, every row timed in 3 rounds (modes s16a-c)
 tbl="python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3"
+table_before() {  # table_before BASE JSON: issue 8's table ($tbl) with the code in out/BASE (carried: `git archive
+  # REV kdt`), its own kernel cache, the log drafter_before.log, the JSON $OUT/JSON
+  local outa; outa=$(cd "$OUT" && pwd)
+  ( cd "out/$1" && OUT=$outa KDT_CACHE_DIR=/tmp/kdt_cache_base step drafter_before 200 python3 -m kdt.cli \
+      train-drafter ../../fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3 \
+      --json "$outa/$2"; printf '%s\n' "${summary[-1]}" )
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 case "$MODE" in
 engine)
@@ -695,7 +702,47 @@ PY
 s17b)  # session 17: the final code's ddtree and engine gpu tests (and the ddtree simulator tests, run on the GPU)
   # beside kdt verify of tiny (fp32) and model_code (bf16)
   tests_beside_verifies "gpu or kernels" 250 tests/test_ddtree_kernels.py tests/test_engine_cuda.py ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b"; exit 2 ;;
+s18a)  # session 18: draft_tree (the learned step's top-k and tree build in one launch, since removed), the packed
+  # warp search, chains without a search, silu * up in the dense MLP's down projection: the ddtree and engine gpu
+  # tests (and the ddtree simulator tests, run on the GPU) beside kdt verify; the GLU linear and dense MLP tests;
+  # issue 8's table (budget 16, 3 rounds); the phase profile
+  tests_beside_verifies "gpu or kernels" 250 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
+  step glu_tests 150 python3 -m pytest -q -m "gpu or kernels" tests/test_kernels_linear.py tests/test_kernels_moe.py \
+    -k "glu or dense_mlp" -p no:cacheprovider -rf
+  step drafter_after 150 $tbl --json "$OUT/drafter-$day-model_code-cuda-s18a.json"
+  step profile 100 python3 scripts/profile_kernels.py --cases code --json "$OUT/profile-kernels-$day-s18a.json"
+  grep -h "budget\|chain\| ar " "$OUT"/drafter_*.log | cut -c1-200
+  grep -h "==\|graph wall\|phase\|^   [a-z +-]*  \|tree build  \|rest  \|draft_tree" "$OUT/profile.log" | cut -c1-160 ;;
+s18c)  # session 18, the final kernels (draft_tree removed; branch-free comparisons in the search and the sort): the
+  # ddtree and engine gpu tests beside kdt verify; draft_topk and tree_build from the learned step's logits and
+  # drafts (scripts/bench_tree.py)
+  tests_beside_verifies "gpu or kernels" 250 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
+  step tree_logits 100 python3 scripts/bench_tree.py --logits 15x256x16 --budgets 0,15,16,31,64 \
+    --json "$OUT/tree-logits-$day-s18c.json"
+  step tree_shapes 100 python3 scripts/bench_tree.py --budgets 15,16 --shapes 15x1,15x16 \
+    --json "$OUT/tree-build-$day-s18c.json"
+  cat "$OUT/tree_logits.log" "$OUT/tree_shapes.log" | cut -c1-160 ;;
+s18b)  # session 18: issue 8's table (budget 16, 3 rounds) with this code, the code before (carry out/base18 = `git
+  # archive 086eaad kdt`), this code again (one machine, alternated); the tiny bench (issue 7's oracle chain)
+  step drafter_after 150 $tbl --json "$OUT/drafter-$day-model_code-cuda-s18b-after.json"
+  table_before base18 "drafter-$day-model_code-cuda-s18b-before.json"
+  step drafter_after2 120 $tbl --json "$OUT/drafter-$day-model_code-cuda-s18b-after2.json"
+  step bench_tiny 120 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s18b.json"
+  grep -h "budget\|chain\| ar " "$OUT"/drafter_*.log | cut -c1-200
+  tail -n 30 "$OUT/bench_tiny.log" | cut -c1-160 ;;
+s18d)  # session 18: silu * up in the down projection, on and off (env KDT_LINEAR_FUSE_GLU), alternated on one machine,
+  # issue 8's table (budget 16, 3 rounds); the code before once more (carry out/base18); the tiny bench with it off
+  for r in 1 2; do
+    step drafter_glu1_$r 150 $tbl --json "$OUT/drafter-$day-model_code-cuda-s18d-glu1-$r.json"
+    KDT_LINEAR_FUSE_GLU=0 step drafter_glu0_$r 150 $tbl --json "$OUT/drafter-$day-model_code-cuda-s18d-glu0-$r.json"
+  done
+  table_before base18 "drafter-$day-model_code-cuda-s18d-before.json"
+  KDT_LINEAR_FUSE_GLU=0 step bench_tiny 120 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s18d-glu0.json"
+  for f in "$OUT"/drafter_*.log; do echo "== $f"; grep -h "budget\|chain\| ar " "$f" | cut -c1-150; done
+  grep -h "decode AR:\|oracle chain:\|host work" "$OUT/bench_tiny.log" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -11,7 +11,6 @@ import pytest
 from numba import cuda
 
 from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from kdt.kernels import ddtree as kd
 from kdt.kernels.ddtree import (
     _LOGP_CAP,
     _NODE_CAP,
@@ -145,6 +144,14 @@ def test_tree_build_accept_parity(rng, budget, D, warp_max):
     for ties in (True, True, False):
         K = int(rng.integers(1, 5))
         check_build_and_accept(rng, R=2, D=D, K=K, budget=budget, ties=ties, warp_max=warp_max)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("budget", [0, 1, 3, 9])
+def test_tree_build_chain(rng, budget):
+    """K = 1 (and budget 1 at K = 3): a chain, written without a search; budget 9 > D = 5 stops at depth D."""
+    check_build_and_accept(rng, R=2, D=5, K=1, budget=budget, ties=False)
+    check_build_and_accept(rng, R=1, D=5, K=3, budget=min(budget, 1), ties=True)
 
 
 @pytest.mark.kernels
@@ -317,38 +324,46 @@ def test_kv_compact_gpu(rng, n_layers, rkv, dr):
 # ------------------------------------------------------------------------------- the device step's kernels
 
 
-def check_topk(rng, D: int, V: int, K: int, ties: bool) -> None:
-    """draft_topk == a stable argsort of the float64 log-softmax (tokens exactly, log-probs to 1e-6)."""
+def topk_inputs(rng, D: int, V: int, K: int, ties: bool):
+    """Random logits [D, V] (odd rows shifted below 0; ``ties``: rounded, so equal values are common) and the
+    reference top-K, a stable argsort of the float64 log-softmax -> (logits, tokens [D, K], their log-probs)."""
     logits = rng.standard_normal((D, V)).astype(np.float32) * 3
-    if ties:  # repeated values: the smaller token id must come first
+    logits[1::2] -= logits[1::2].max(1, keepdims=True) + 1  # every other row all negative
+    if ties:  # repeated values (and -0.0 beside 0.0): the smaller token id must come first
         logits = np.round(logits).astype(np.float32)
     x = logits.astype(np.float64)
     logp = x - x.max(1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(1, keepdims=True))
     top = np.argsort(-logp, axis=1, kind="stable")[:, :K]
+    return logits, top, np.take_along_axis(logp, top, 1)
+
+
+def check_topk_out(tok, lp, top, top_logp) -> None:
+    """Tokens exactly, log-probs to 2e-6 (float32 sums of exp against float64)."""
+    np.testing.assert_array_equal(tok.copy_to_host()[0], top)
+    np.testing.assert_allclose(lp.copy_to_host()[0], top_logp, rtol=0, atol=2e-6)
+
+
+def check_topk(rng, D: int, V: int, K: int, ties: bool) -> None:
+    """draft_topk == a stable argsort of the float64 log-softmax."""
+    logits, top, top_logp = topk_inputs(rng, D, V, K, ties)
     tok, lp = cuda.to_device(poisoned((1, D, K), np.int64)), cuda.to_device(poisoned((1, D, K)))
     topk_gpu(cuda.to_device(logits), tok, lp)
-    np.testing.assert_array_equal(tok.copy_to_host()[0], top)
-    np.testing.assert_allclose(lp.copy_to_host()[0], np.take_along_axis(logp, top, 1), rtol=0, atol=2e-6)
+    check_topk_out(tok, lp, top, top_logp)
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("warp", [False, True])  # the sort, and the warp selection where it applies
 @pytest.mark.parametrize("D, V, K", [(1, 5, 5), (3, 37, 8), (2, 64, 1), (2, 100, 10)])  # V = 100: rows longer
-# than the block (64 threads in the simulator) take the shared-memory sort; the others one element a thread;
-# the warp selection: V = 5 / 37 / 64 in 8 registers a lane, V = 100 (4 of the 8 holding columns)
-def test_draft_topk(rng, monkeypatch, warp, D, V, K):
-    monkeypatch.setattr(kd, "TOPK_WARP", warp)
+# than the block (64 threads in the simulator) take the shared-memory sort; the others one element a thread
+def test_draft_topk(rng, D, V, K):
     for ties in (False, True):
         check_topk(rng, D, V, K, ties)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warp", [False, True])
 @pytest.mark.parametrize("D, V, K", [(15, 256, 256), (15, 256, 16), (15, 256, 32), (7, 300, 9), (4, 512, 32),
-                                     (7, 1000, 64), (15, TOPK_MAX_V, 512)])  # the warp path: K <= 32, V <= 512
-def test_draft_topk_gpu(rng, monkeypatch, warp, D, V, K):
-    monkeypatch.setattr(kd, "TOPK_WARP", warp)
+                                     (7, 1000, 64), (15, TOPK_MAX_V, 512)])
+def test_draft_topk_gpu(rng, D, V, K):
     for ties in (False, True):
         check_topk(rng, D, V, K, ties)
 

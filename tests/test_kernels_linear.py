@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from kdt.kernels import elementwise as ew
 from kdt.kernels import linear as lin
 from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.reference.ops import linear as linear_ref
 from kdt.reference.ops import rmsnorm as rmsnorm_ref
+from kdt.reference.ops import silu as silu_ref
 from kdt.testing import poisoned, rel_err
 
 FP32_BOUND = 1e-5
@@ -182,6 +184,146 @@ def test_linear_norm_rejects_bad_weights():
         lin.linear_v2(x, W, y, norm=(cuda.to_device(np.ones(7, np.float32)), 1e-6))
 
 
+
+# ---- GLU prologue: y = (silu(gate) * up) @ W^T for x = [gate | up] (dense_mlp's down projection) ------------
+# (M, N, K, wdtype, accumulate, tm, splits, warps). In the simulator a K-chunk is V2_KCW = 64 words: K = 300
+# f32 is 4 full chunks + a partial one; bf16 K = 130 (65 words) in 2 splits is one full chunk, then one word;
+# 3 warps (96 threads) do not divide a chunk: the generic runtime-loop staging. Odd K: uint16 words (PACK 1).
+V2_GLU_CASES = [(1, 21, 300, "f32", False, 1, 1, None), (3, 21, 130, "bf16", True, 4, 2, None),
+                (17, 21, 300, "bf16", True, 16, 1, None), (5, 20, 71, "bf16", False, 8, 1, 3),
+                (2, 21, 200, "f32", True, 2, 2, 3)]
+
+
+def _glu_branches(M, N, K, wdtype, tm, splits, warps) -> set[str]:
+    """The staging branches of linear_v2 a GLU case runs: "full" / "partial" chunks, or "generic"."""
+    kind = "bf16x2" if (wdtype == "bf16" and K % 2 == 0) else wdtype
+    Kw = K // lin._KINDS[kind][1]
+    TM, NR, U, w, S, ks = lin._v2_plan(M, N, Kw, lin._device()[1], tm, splits, warps)
+    assert splits is None or S == splits, f"the case must really run {splits} K-splits (got {S})"
+    prm = lin._v2_params(kind, TM, NR, U, w)
+    if prm["KCE"] % prm["NT"]:
+        return {"generic"}
+    lens = [min(ks, Kw - z * ks) for z in range(S)]  # each split's words, staged in chunks of KCW
+    return {"full" for n in lens if n >= prm["KCW"]} | {"partial" for n in lens if n % prm["KCW"]}
+
+
+def test_linear_v2_glu_cases_reach_every_staging_branch():
+    assert set().union(*(_glu_branches(*c[:4], *c[5:]) for c in V2_GLU_CASES)) == {"full", "partial", "generic"}
+
+
+def _glu_inputs(rng, M, K, accumulate, N):
+    """(x [M, 2K] = [gate | up] float32, y0 [M, N]: random when accumulating, else NaN-poisoned)."""
+    x = (rng.standard_normal((M, 2 * K)) * 2).astype(np.float32)
+    y0 = rng.standard_normal((M, N)).astype(np.float32) if accumulate else poisoned((M, N))
+    return x, y0
+
+
+def _glu_ref(x, W_seen, y0, accumulate):
+    K = W_seen.shape[1]
+    x64 = x.astype(np.float64)
+    return linear_ref(silu_ref(x64[:, :K]) * x64[:, K:], W_seen) + (y0.astype(np.float64) if accumulate else 0.0)
+
+
+def _rows_of_taller(x):
+    """x on the device as the first rows of a taller NaN-poisoned array (a row slice, as dense_mlp's h[:M])."""
+    d = cuda.to_device(np.concatenate([x, poisoned((3, x.shape[1]))]))
+    return d[: x.shape[0]]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,N,K,wdtype,accumulate,tm,splits,warps", V2_GLU_CASES)
+def test_linear_v2_glu_sim(rng, M, N, K, wdtype, accumulate, tm, splits, warps):
+    """linear_v2(glu=True) against float64 (bound 1e-5: dropping the silu or reading the gate as up is off by
+    O(1)), and bitwise equal to silu_mul into a then linear_v2 on a, with the same plan; x unchanged."""
+    W_store, W_seen, _ = _weights(rng, N, K, wdtype)
+    x, y0 = _glu_inputs(rng, M, K, accumulate, N)
+    d_x, d_W, d_y = _rows_of_taller(x), cuda.to_device(W_store), cuda.to_device(y0)
+    plan = dict(tm=tm, splits=splits, warps=warps)
+    lin.linear_v2(d_x, d_W, d_y, accumulate, glu=True, **plan)
+    out = d_y.copy_to_host()
+    err = rel_err(out, _glu_ref(x, W_seen, y0, accumulate))
+    assert err < FP32_BOUND, f"rel_err {err:.3g}"
+    np.testing.assert_array_equal(d_x.copy_to_host(), x)
+    d_a, d_y2 = cuda.to_device(poisoned((M, K))), cuda.to_device(y0)
+    ew.silu_mul(d_x[:, :K], d_x[:, K:], d_a)
+    lin.linear_v2(d_a, d_W, d_y2, accumulate, **plan)
+    np.testing.assert_array_equal(out, d_y2.copy_to_host())
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("version,fused", [("2", True), ("2", False), ("1", True)])
+def test_linear_glu_sim(rng, monkeypatch, version, fused):
+    """``linear(..., glu=a)``: fused into linear_v2 (a untouched) or, with KDT_LINEAR_FUSE_GLU off or under v1,
+    silu_mul into a then the plain launch on a; the same bits either way."""
+    monkeypatch.setattr(lin, "VERSION", version)
+    M, N, K = 3, 21, 130
+    W_store, W_seen, _ = _weights(rng, N, K, "bf16")
+    x, y0 = _glu_inputs(rng, M, K, True, N)
+    d_x, d_W = _rows_of_taller(x), cuda.to_device(W_store)
+    outs = []
+    for fuse in (fused, False):
+        monkeypatch.setattr(lin, "FUSE_GLU", fuse)
+        d_y, d_a = cuda.to_device(y0), cuda.to_device(poisoned((M, K)))
+        lin.linear(d_x, d_W, d_y, accumulate=True, glu=d_a)
+        outs.append(d_y.copy_to_host())
+        a = d_a.copy_to_host()
+        if fuse and version == "2":
+            assert np.isnan(a).all(), "the fused launch writes no scratch"
+        else:
+            x64 = x.astype(np.float64)
+            assert rel_err(a, silu_ref(x64[:, :K]) * x64[:, K:]) < 1e-6
+    assert rel_err(outs[0], _glu_ref(x, W_seen, y0, True)) < FP32_BOUND
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.kernels
+def test_linear_glu_rejects_bad_args():
+    M, N, K = 2, 4, 8
+    x, y = cuda.to_device(np.zeros((M, 2 * K), np.float32)), cuda.to_device(np.zeros((M, N), np.float32))
+    W, a = cuda.to_device(np.zeros((N, K), np.float32)), cuda.to_device(np.zeros((M, K), np.float32))
+    with pytest.raises(ValueError, match="norm and glu"):
+        lin.linear(x, W, y, norm=(cuda.to_device(np.ones(2 * K, np.float32)), 1e-6, a), glu=a)
+    with pytest.raises(ValueError, match="norm and glu"):
+        lin.linear_v2(x, W, y, norm=(cuda.to_device(np.ones(K, np.float32)), 1e-6), glu=True)
+    with pytest.raises(ValueError, match=f"2K = {2 * K} columns"):
+        lin.linear(x[:, :K], W, y, glu=a)
+    with pytest.raises(ValueError, match=f"2K = {2 * K} columns"):
+        lin.linear_v2(x[:, : K + 1], W, y, glu=True)
+    for bad in (np.zeros((M, K + 1), np.float32), np.zeros((M + 1, K), np.float32), np.zeros((M, K), np.float64)):
+        with pytest.raises(ValueError, match="glu scratch"):
+            lin.linear(x, W, y, glu=cuda.to_device(bad))
+
+
+def test_linear_glu_engine_variants(monkeypatch):
+    """fuses_glu holds for every down projection the engine runs through dense_mlp (fixtures/model_code.h5's
+    target and drafter, model_tiny.h5's) and for no Moonlight or Kimi-K2 one; GLU_ENGINE_SHAPES (what the sm_90
+    check registers) are those shapes, and on the H200 (4 warps, 132 SMs) they plan 4 variants."""
+    import json
+
+    import h5py
+
+    from kdt.config import preset
+    from kdt.fixture import read_config
+
+    fixtures = Path(__file__).resolve().parent.parent / "fixtures"
+    code, tiny = (read_config(str(fixtures / f"model_{n}.h5")) for n in ("code", "tiny"))
+    with h5py.File(fixtures / "model_code.h5") as f:
+        drafter_i = json.loads(f["drafter"].attrs["config"])["intermediate_size"]
+    downs = {(code.hidden_size, code.intermediate_size), (code.hidden_size, drafter_i),
+             (tiny.hidden_size, tiny.intermediate_size)}
+    assert downs == {(N, K) for _, N, K, _ in lin.GLU_ENGINE_SHAPES}
+    monkeypatch.setattr(lin, "FUSE_GLU", True)
+    assert all(lin.fuses_glu(N, K) for N, K in downs)
+    for name in ("moonlight-16b-a3b", "kimi-k2"):
+        (N, K), = ((N, K) for p, N, K in preset(name).dense_projections() if p == "mlp_down")
+        assert not lin.fuses_glu(N, K), name
+    monkeypatch.setattr(lin, "FUSE_GLU", False)
+    assert not lin.fuses_glu(4, 4)
+    monkeypatch.setattr(lin, "V2_WARPS", 4)
+    monkeypatch.setattr(lin, "_v2_plan", functools.cache(lin._v2_plan.__wrapped__))
+    assert sorted(lin.glu_variants(132)) == [("bf16x2", 1, 8, 2, 4), ("bf16x2", 4, 8, 2, 4), ("f32", 1, 8, 2, 4),
+                                             ("f32", 4, 8, 2, 4)]
+
 @pytest.mark.kernels
 def test_linear_v2_split_deterministic_and_scratch_reused(rng):
     """K-split partial sums are reduced in a fixed order (by the last block of each tile, same launch):
@@ -325,3 +467,26 @@ def test_linear_gpu_lm_head(rng, version, wdtype):
     d_W = cuda.to_device(W_store)
     for M in (1, 16):
         _check(rng, M, W_store, W_seen, W_fp32, accumulate=False, d_W=d_W)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("K", [768, 1024])
+def test_linear_glu_gpu(rng, monkeypatch, K, wdtype):
+    """``linear(..., glu=a)`` at the engine's down projections (N = 256; K = 768 / 1024) and step sizes: against
+    float64, and bitwise equal to the unfused launches (KDT_LINEAR_FUSE_GLU off: silu_mul, then linear on a)."""
+    N = 256
+    W_store, W_seen, _ = _weights(rng, N, K, wdtype)
+    d_W = cuda.to_device(W_store)
+    for M in (1, 17, 32):
+        x, y0 = _glu_inputs(rng, M, K, M == 17, N)
+        d_x, outs = _rows_of_taller(x), []
+        for fuse in (True, False):
+            monkeypatch.setattr(lin, "FUSE_GLU", fuse)
+            d_y = cuda.to_device(y0)
+            lin.linear(d_x, d_W, d_y, accumulate=M == 17, glu=cuda.device_array((M, K), np.float32))
+            outs.append(d_y.copy_to_host())
+        err = rel_err(outs[0], _glu_ref(x, W_seen, y0, M == 17))
+        assert err < FP32_BOUND, f"M={M} K={K} {wdtype}: rel_err {err:.3g}"
+        np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"M={M} K={K} {wdtype}: fused != unfused")

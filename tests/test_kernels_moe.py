@@ -275,7 +275,7 @@ def test_expert_gemms_multi_tile(rng, dtype):
     assert rel_err(y.copy_to_host(), y_ref) < FP32_BOUND
     # dense path: shared expert of width 20 over all 12 tokens, accumulated onto x0
     x0 = rng.standard_normal((M, D)).astype(np.float32)
-    for version in (1, 2):  # the grouped-GEMM kernels in dense mode; linear + silu_mul + linear
+    for version in (1, 2):  # the grouped-GEMM kernels in dense mode; linear + linear(glu=)
         _check_dense_mlp(x, x0, experts[0], dtype, version)
 
 
@@ -284,10 +284,12 @@ def test_expert_gemms_multi_tile(rng, dtype):
 @pytest.mark.parametrize("fused", [True, False])
 def test_dense_mlp_norm_in_place(rng, monkeypatch, version, fused):
     """dense_mlp(x, .., out=x, norm=(gw, eps, a)): x += mlp(rmsnorm(x; gw, eps)), in place as the engine's
-    dense layers run it; the norm fused into gate_up's linear (KDT_LINEAR_FUSE_NORM) or written to a first."""
+    dense layers run it; the norm fused into gate_up's linear (KDT_LINEAR_FUSE_NORM) and silu * up into down's
+    (KDT_LINEAR_FUSE_GLU: 2 launches), or both written to scratch first (4 launches)."""
     from kdt.kernels import linear as lin
 
     monkeypatch.setattr(lin, "FUSE_NORM", fused)
+    monkeypatch.setattr(lin, "FUSE_GLU", fused)
     M, D, I = 5, 36, 20
     weights = _mlp_weights(rng, D, I)
     x = (rng.standard_normal((M, D)) * 3).astype(np.float32)

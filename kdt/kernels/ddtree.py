@@ -3,10 +3,11 @@
 Reference: :mod:`kdt.reference.ddtree`. Every output matches it exactly (same float32 scores, same
 tie-break: higher score first, then the smaller push id; the sibling is pushed before the child).
 
-- ``tree_build``: one block per request. The sequential best-first search runs in warp 0's registers
-  for trees of budget <= 31 (:func:`_warp_search`: each pop a warp arg-max) and on thread 0's binary
-  heap in shared memory otherwise (log-probs staged in shared memory too, so the sequential loop never
-  waits on global memory); the other warps zero the visibility matrix meanwhile; then every thread
+- ``tree_build``: one block per request. A chain is written without a search; for a tree the sequential
+  best-first search runs in warp 0's registers for budgets <= 31 (:func:`_warp_search`: each pop a warp
+  arg-max) and on thread 0's binary heap in shared memory otherwise (log-probs staged in shared memory
+  too, so the sequential loop never waits on global memory); the other warps zero the visibility
+  matrix meanwhile; then every thread
   writes whole nodes: the outputs and the visibility row (by walking that node's ancestors, so rows
   are independent), and marks the unused slots.
 - ``tree_accept``: one block per request stages the tree's rows in shared memory, then thread 0 walks
@@ -27,8 +28,8 @@ Measured on the H200 (ncu, one request, D=15, K=32): tree_build 95 / 444 / 962 u
 64 / 256 / 512, bound by the latency of thread 0's heap loop (~1.9 us per pop; static shared memory
 48,180 bytes, just under the 48 KiB limit); tree_accept 5-7 us; kv_compact 12 us for 61 layers x 16
 rows x (512 + 64) columns. The warp search (2026-12-01, ``scripts/bench_tree.py``, D = 15): K = 16
-budget 16 / 31 12.2 / 19.6 us against the heap's 16.0 / 28.9; a chain (K = 1) stays on the heap (8.1 us
-at budget 16, the warp 10.9).
+budget 16 / 31 12.2 / 19.6 us against the heap's 16.0 / 28.9. A chain (K = 1, or a budget <= 1) needs no
+search since 2026-12-02: every thread writes its nodes (budget 15: 5.5 us, the heap 8.1).
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ _NODE_CAP = MAX_BUDGET + 1
 _LOGP_CAP = 15 * MAX_BUDGET  # staged log-probs: D = 15 (block size 16) at K = MAX_BUDGET
 assert _CAND_CAP < 2**15  # push ids and node indices are stored as int16
 # Trees (K >= 2) of budgets up to WARP_SEARCH_MAX run the search in one warp's registers (lane n holds
-# node n and one live candidate: at most 1 + pops <= 32 of each); chains and larger budgets on thread 0's
-# heap. Env KDT_TREE_WARP_MAX=0 keeps every budget on the heap (A/B).
+# node n and one live candidate: at most 1 + pops <= 32 of each); larger budgets on thread 0's heap (chains
+# need no search). Env KDT_TREE_WARP_MAX=0 keeps every tree on the heap (A/B).
 WARP_SEARCH_MAX = min(WARP - 1, int(os.environ.get("KDT_TREE_WARP_MAX", str(WARP - 1))))
-_NO_ID = 2**31 - 1  # the push id of an empty candidate slot (pops after every real candidate)
 _XCH = WARP if IS_SIM else 1  # the simulator's lane-exchange buffers (shuffles on the GPU)
 NEG_INF_F32 = float32(-np.inf)
 
@@ -65,8 +65,9 @@ NEG_INF_F32 = float32(-np.inf)
 
 @cuda.jit(device=True, inline="always")
 def _before(sa, ia, sb, ib):
-    """Candidate (score sa, push id ia) pops before (sb, ib): higher score, then smaller push id."""
-    return sa > sb or (sa == sb and ia < ib)
+    """Candidate (score sa, push id ia) pops before (sb, ib): higher score, then smaller push id. Bitwise
+    operators, not ``or`` / ``and``: no short-circuit branches on the search's dependent chain."""
+    return (sa > sb) | ((sa == sb) & (ia < ib))
 
 
 @cuda.jit(device=True, inline="always")
@@ -138,99 +139,97 @@ else:
         return cuda.shfl_sync(0xFFFFFFFF, v, src)
 
 
+# The warp search's candidate slot packs its parent node (5 bits), depth (5), rank (5), previously popped
+# sibling + 1 (6) and push id (6) into one int32 word, the push id in the top bits: of two packed words the
+# smaller is the smaller push id (ids are unique), so the heap's order is (score, word). An empty slot holds
+# the word _P_EMPTY (id 63 > every push id of <= 31 pops: 1 + 2 x 31 = 63 pushes, ids 0 .. 62).
+_P_DEP, _P_RANK, _P_PREV, _P_ID = 5, 10, 15, 21
+_P_EMPTY = 63 << _P_ID
+
+
 @cuda.jit(device=True, inline="always")
-def _warp_search(lane, nb, ds, ks, s_logp, staged, draft_logp, r, xf, xi, cand_depth, cand_rank, node_cand,
-                 node_parent, node_first, node_next):
+def _warp_search(lane, nb, ds, ks, s_logp, xf, xi, cand_depth, cand_rank, node_cand, node_parent, node_first,
+                 node_next):
     """The best-first search of ``tree_build`` for nb <= WARP_SEARCH_MAX in one warp's registers (all 32
-    lanes call it). Lane n holds node n (score, parent, first child, next sibling, depth, rank) and one
-    candidate slot (score, push id, parent, depth, rank, previously popped sibling). A pop is a warp
-    arg-max over the slots by the heap's order (higher score, then smaller push id), so the pops, the
-    push ids and the tree are the heap's. The popped slot takes the sibling push, a new slot the child
-    (slots in use <= 1 + pops <= 32). Leaves the nodes where the heap search leaves them (node n's depth
-    and rank in cand_depth[n], cand_rank[n], node_cand[n] = n). Returns the node count."""
-    ns = float32(0.0)  # node `lane`; the root's score is 0
-    npar = int32(-1)
-    nfirst = int32(-1)
-    nnext = int32(-1)
-    ndep = int32(0)
-    nrank = int32(0)
+    lanes call it; log-probs staged in ``s_logp[d * ks + k]``). Lane n holds node n (parent, first child,
+    next sibling, depth, rank) and one candidate slot (score, packed word, the parent's score). A pop is
+    a warp arg-max over the slots by the heap's order (higher score, then smaller push id): five
+    butterfly rounds of three shuffles, after which every lane holds the winner. The popped slot takes the
+    sibling push, a new slot the child (slots in use <= 1 + pops <= 32), so the pops, the push ids and the
+    tree are the heap's. Leaves the nodes where the heap search leaves them (node n's depth and rank in
+    cand_depth[n], cand_rank[n], node_cand[n] = n). Returns the node count."""
+    npar = -1  # node `lane` (node 0: the root, depth 0)
+    nfirst = -1
+    nnext = -1
+    ndep = 0
+    nrank = 0
     cs = NEG_INF_F32  # candidate slot `lane`
-    cid = int32(_NO_ID)
-    cpar = int32(0)
-    cdep = int32(0)
-    crank = int32(0)
-    cprev = int32(-1)
+    cw = _P_EMPTY
+    cps = float32(0.0)
     size = 0
     npush = 0
     nslots = 0
     count = 0
-    if nb > 0:  # push id 0: rank 0 at depth 1
+    if nb > 0:  # push id 0: rank 0 at depth 1, child of the root (score 0)
         if lane == 0:
-            cs = _logp(s_logp, staged, ks, draft_logp, r, 0, 0)
-            cid = int32(0)
-            cdep = int32(1)
+            cs = s_logp[0]
+            cw = 1 << _P_DEP
         size = 1
         npush = 1
         nslots = 1
     while count < nb and size > 0:
         bs = cs
-        bi = cid
-        bl = int32(lane)
+        bw = int32(cw)
+        bps = cps
         j = 16
         while j >= 1:
             os_ = _lane(xf, lane, bs, lane ^ j)
-            oi = _lane(xi, lane, bi, lane ^ j)
-            ol = _lane(xi, lane, bl, lane ^ j)
-            if _before(os_, oi, bs, bi):
+            ow = _lane(xi, lane, bw, lane ^ j)
+            ops = _lane(xf, lane, bps, lane ^ j)
+            if _before(os_, ow, bs, bw):
                 bs = os_
-                bi = oi
-                bl = ol
+                bw = ow
+                bps = ops
             j //= 2
-        p = _lane(xi, lane, cpar, bl)
-        d = _lane(xi, lane, cdep, bl)
-        rk = _lane(xi, lane, crank, bl)
-        prev = _lane(xi, lane, cprev, bl)
-        ps = _lane(xf, lane, ns, p)  # the parent's score (p < the new node)
+        win = cw == bw  # this lane's slot is popped
+        p = bw & 31
+        d = (bw >> _P_DEP) & 31
+        rk = (bw >> _P_RANK) & 31
+        prev = ((bw >> _P_PREV) & 63) - 1
         size -= 1
         count += 1
         node = count
         if lane == node:
-            ns = bs
             npar = p
             ndep = d
             nrank = rk
         if prev < 0:
             if lane == p:
-                nfirst = int32(node)
+                nfirst = node
         elif lane == prev:
-            nnext = int32(node)
+            nnext = node
         sib = rk + 1 < ks  # bounded by ks / ds like the heap search (see there)
         chi = d < ds
         if sib:  # next sibling first (into the popped slot) ...
-            sc = ps + _logp(s_logp, staged, ks, draft_logp, r, d - 1, rk + 1)
-            if lane == bl:
+            sc = bps + s_logp[(d - 1) * ks + rk + 1]
+            if win:
                 cs = sc
-                cid = int32(npush)
-                crank = int32(rk + 1)
-                cprev = int32(node)
+                cw = p | (d << _P_DEP) | ((rk + 1) << _P_RANK) | ((node + 1) << _P_PREV) | (npush << _P_ID)
             npush += 1
             size += 1
         if chi:  # ... then first child (into the popped slot when it is free, else a new one)
-            sc = bs + _logp(s_logp, staged, ks, draft_logp, r, d, 0)
-            if lane == (nslots if sib else bl):
+            sc = bs + s_logp[d * ks]
+            if (lane == nslots) if sib else win:
                 cs = sc
-                cid = int32(npush)
-                cpar = int32(node)
-                cdep = int32(d + 1)
-                crank = int32(0)
-                cprev = int32(-1)
+                cw = node | ((d + 1) << _P_DEP) | (npush << _P_ID)
+                cps = bs
             if sib:
                 nslots += 1
             npush += 1
             size += 1
-        if not sib and not chi and lane == bl:
+        if not sib and not chi and win:
             cs = NEG_INF_F32
-            cid = int32(_NO_ID)
+            cw = _P_EMPTY
     if lane <= count:
         node_parent[lane] = npar
         node_first[lane] = nfirst
@@ -241,31 +240,10 @@ def _warp_search(lane, nb, ds, ks, s_logp, staged, draft_logp, r, xf, xi, cand_d
     return count + 1
 
 
-@cuda.jit
-def tree_build(
-    root_token,  # [R] int64
-    draft_tokens,  # [R, D, K] int64
-    draft_logp,  # [R, D, K] float32
-    budget,  # int32 scalar, clamped to NMAX - 1 and MAX_BUDGET
-    warp_max,  # int32 scalar: budgets <= warp_max (<= 31) search in one warp (needs >= 32 threads)
-    L,  # [R] int64, committed tokens per request
-    tokens,  # out [R, NMAX] int64
-    depth,  # out [R, NMAX] int32
-    parent,  # out [R, NMAX] int32
-    first_child,  # out [R, NMAX] int32
-    next_sibling,  # out [R, NMAX] int32
-    positions,  # out [R, NMAX] int64 = L + depth
-    visibility,  # out [R, NMAX, NMAX] uint8
-    n_nodes,  # out [R] int32
-):
-    """Best-first DDTree per request; grid = R blocks, any block size (128 is a good default).
-
-    1. all threads stage the reachable log-probs ``[min(D, nb), min(K, nb)]`` in shared memory;
-    2. warp 0 (nb <= warp_max and min(K, nb) >= 2: :func:`_warp_search`, in registers) or thread 0 (a
-       binary heap in shared memory) runs the search, while other warps zero ``visibility`` on
-       ``[0, nb + 1)^2`` (every node index of this budget is below nb + 1);
-    3. every thread writes whole nodes: outputs from shared memory, visibility row by ancestor walk.
-    """
+@cuda.jit(device=True, inline="always")
+def _tree_body(r, tid, nt, root_token, draft_tokens, draft_logp, budget, warp_max, L, tokens, depth, parent,
+               first_child, next_sibling, positions, visibility, n_nodes):
+    """Request r's tree by thread tid of nt (the whole block calls it): see :func:`tree_build`."""
     # candidates, indexed by push id: parent node, depth, rank, previously popped sibling (-1: none)
     cand_parent = cuda.shared.array(_CAND_CAP, int16)
     cand_depth = cuda.shared.array(_CAND_CAP, int16)
@@ -283,9 +261,6 @@ def tree_build(
     xf = cuda.shared.array(_XCH, float32)  # lane exchange of the warp search (simulator only)
     xi = cuda.shared.array(_XCH, int32)
 
-    r = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
     nmax = tokens.shape[1]
     D = draft_tokens.shape[1]
     K = draft_tokens.shape[2]
@@ -300,13 +275,26 @@ def tree_build(
             s_logp[idx] = draft_logp[r, d, idx - d * ks]
     cuda.syncthreads()
 
-    # the warp search for trees (ks >= 2); a chain's heap never holds more than one candidate, and there the
-    # heap is faster (H200, D = 15, K = 1, budget 16: heap 8.1 us, warp 10.9; K = 16: 16.0 vs 12.2)
+    # a chain (ks <= 1: K = 1, or a budget <= 1) needs no search: node i sits at depth i, rank 0. Trees
+    # (ks >= 2) search in warp 0's registers up to warp_max (<= 31; its log-probs are always staged), else
+    # on thread 0's heap
     in_warp = nb <= min(warp_max, WARP - 1) and ks >= 2 and (nt == WARP if IS_SIM else nt >= WARP)
-    if in_warp:
+    if ks <= 1:
+        n = ds + 1
+        for i in range(tid, n, nt):
+            node_parent[i] = i - 1
+            node_first[i] = i + 1 if i + 1 < n else -1
+            node_next[i] = -1
+            node_cand[i] = i
+            cand_depth[i] = i
+            cand_rank[i] = 0
+        if tid == 0:
+            n_sh[0] = n
+            n_nodes[r] = n
+    elif in_warp:
         if tid < WARP:
-            n = _warp_search(tid, nb, ds, ks, s_logp, staged, draft_logp, r, xf, xi, cand_depth, cand_rank,
-                             node_cand, node_parent, node_first, node_next)
+            n = _warp_search(tid, nb, ds, ks, s_logp, xf, xi, cand_depth, cand_rank, node_cand, node_parent,
+                             node_first, node_next)
             if tid == 0:
                 n_sh[0] = n
                 n_nodes[r] = n
@@ -409,6 +397,35 @@ def tree_build(
             first_child[r, i] = -1
             next_sibling[r, i] = -1
             positions[r, i] = -1
+
+
+@cuda.jit
+def tree_build(
+    root_token,  # [R] int64
+    draft_tokens,  # [R, D, K] int64
+    draft_logp,  # [R, D, K] float32
+    budget,  # int32 scalar, clamped to NMAX - 1 and MAX_BUDGET
+    warp_max,  # int32 scalar: budgets <= warp_max (<= 31) search in one warp (needs >= 32 threads)
+    L,  # [R] int64, committed tokens per request
+    tokens,  # out [R, NMAX] int64
+    depth,  # out [R, NMAX] int32
+    parent,  # out [R, NMAX] int32
+    first_child,  # out [R, NMAX] int32
+    next_sibling,  # out [R, NMAX] int32
+    positions,  # out [R, NMAX] int64 = L + depth
+    visibility,  # out [R, NMAX, NMAX] uint8
+    n_nodes,  # out [R] int32
+):
+    """Best-first DDTree per request; grid = R blocks, any block size (128 is a good default).
+
+    1. all threads stage the reachable log-probs ``[min(D, nb), min(K, nb)]`` in shared memory;
+    2. a chain is written by all threads at once; a tree is searched by warp 0 (nb <= warp_max:
+       :func:`_warp_search`, in registers) or thread 0 (a binary heap in shared memory), while other
+       warps zero ``visibility`` on ``[0, nb + 1)^2`` (every node index of this budget is below nb + 1);
+    3. every thread writes whole nodes: outputs from shared memory, visibility row by ancestor walk.
+    """
+    _tree_body(cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x, root_token, draft_tokens, draft_logp, budget,
+               warp_max, L, tokens, depth, parent, first_child, next_sibling, positions, visibility, n_nodes)
 
 
 _I64_1 = int64[::1]
@@ -589,8 +606,9 @@ _TOPK_NT = 64 if IS_SIM else 512
 
 @cuda.jit(device=True, inline="always")
 def _ranks_before(va, ia, vb, ib):
-    """(value va, index ia) sorts before (vb, ib): the larger value, then the smaller index."""
-    return va > vb or (va == vb and ia < ib)
+    """(value va, index ia) sorts before (vb, ib): the larger value, then the smaller index (branch-free, as
+    :func:`_before`)."""
+    return (va > vb) | ((va == vb) & (ia < ib))
 
 
 @cuda.jit(device=True, inline="always")
@@ -713,82 +731,6 @@ def draft_topk(logits, out_tok, out_logp):
 
 
 register_ptx(draft_topk, (float32[:, ::1], int64[:, :, ::1], float32[:, :, ::1]))
-
-# The warp selection (``_warp_topk_kernel``): the rows of a small vocabulary with few candidates, the learned
-# drafter's case (model_code: D = 15 rows of V = 256, K = 16 at budget 16). draft_topk sorts every row whole
-# (36 compare-exchange stages, 6 through shared memory, then a 512-thread tree reduction): 6.5 us a launch
-# in the learned step's profile (docs/PERF.md, session 15). Here one warp per row keeps the row in
-# registers (VPL = cdiv(V, 32) values a lane) and makes K selection rounds, each a lane-local scan for the
-# best value ranking after the previous pick and one warp arg-max (5 shuffle pairs). Predicted ~K x 250
-# cycles (~2 us); measured (H200, session 16, the learned step's phase profile): 14.1 us a launch against
-# the sort's 6.8, K = 16 dependent rounds of ~0.85 us each. So it is off by default (env KDT_TOPK_WARP=1
-# turns it on), kept beside the sort with its tests as the baseline for a next try.
-TOPK_WARP = os.environ.get("KDT_TOPK_WARP", "0") == "1"
-TOPK_WARP_MAX_VPL = 16  # V <= 512: the row in 16 registers a lane
-TOPK_WARP_MAX_K = 32  # past ~32 rounds the sort's fixed cost is the smaller
-_I32_MAX = 2**31 - 1
-
-
-@functools.cache
-def _warp_topk_kernel(VPL: int):
-    """draft_topk's contract (its docstring) for V <= 32 * VPL: grid = D blocks of one warp, lane j holds
-    the row's columns j + 32 i (i < VPL) in registers."""
-
-    @cuda.jit
-    def draft_topk_warp(logits, out_tok, out_logp):
-        xf = cuda.shared.array(_XCH, float32)  # lane exchange (simulator only)
-        xi = cuda.shared.array(_XCH, int32)
-        d = cuda.blockIdx.x
-        lane = cuda.threadIdx.x
-        V = logits.shape[1]
-        K = out_tok.shape[2]
-        v = cuda.local.array(VPL, float32)
-        for i in range(VPL):
-            c = lane + WARP * i
-            v[i] = logits[d, c] if c < V else NEG_INF_F32
-        lse = float32(0.0)
-        pv = float32(np.inf)  # the previous pick (value, column): every column ranks after (+inf, -1)
-        pi = int32(-1)
-        for k in range(K):
-            bv = NEG_INF_F32  # this lane's best column ranking after the previous pick
-            bi = int32(_I32_MAX)
-            for i in range(VPL):
-                c = int32(lane + WARP * i)
-                x = v[i]
-                if c < V and _ranks_before(pv, pi, x, c) and _ranks_before(x, c, bv, bi):
-                    bv = x
-                    bi = c
-            j = 16
-            while j >= 1:  # the warp's best
-                ov = _lane(xf, lane, bv, lane ^ j)
-                oi = _lane(xi, lane, bi, lane ^ j)
-                if _ranks_before(ov, oi, bv, bi):
-                    bv = ov
-                    bi = oi
-                j //= 2
-            if k == 0:  # the row's maximum: logsumexp = max + log(sum(exp(v - max)))
-                acc = float32(0.0)
-                for i in range(VPL):
-                    if lane + WARP * i < V:
-                        acc += math.exp(v[i] - bv)
-                j = 16
-                while j >= 1:
-                    acc += _lane(xf, lane, acc, lane ^ j)
-                    j //= 2
-                lse = bv + math.log(acc)
-            if lane == 0:
-                out_tok[0, d, k] = bi
-                out_logp[0, d, k] = bv - lse
-            pv = bv
-            pi = bi
-
-    return draft_topk_warp
-
-
-for _vpl in (8, TOPK_WARP_MAX_VPL):
-    register_ptx(_warp_topk_kernel(_vpl), (float32[:, ::1], int64[:, :, ::1], float32[:, :, ::1]),
-                 name=f"draft_topk_warp[{_vpl}]")
-
 
 @functools.cache
 def _stage_rows_fn(dtype):
@@ -913,16 +855,11 @@ register_ptx(step_commit, (_I32_2, _I32_1, _I64_1, _I64_1, _I64_1, _I64_1, _I64_
 
 
 def topk_gpu(logits, out_tok, out_logp, stream=0) -> None:
-    """:func:`draft_topk`'s contract: logits [D, V] (V <= TOPK_MAX_V) -> out_tok / out_logp [1, D, K]; by
-    the warp selection when TOPK_WARP is on, V <= 32 * TOPK_WARP_MAX_VPL and K <= TOPK_WARP_MAX_K, else the sort."""
+    """:func:`draft_topk`: logits [D, V] (V <= TOPK_MAX_V) -> out_tok / out_logp [1, D, K]."""
     D, V = logits.shape
     if V > TOPK_MAX_V or tuple(out_tok.shape[:2]) != (1, D) or out_tok.shape[2] > V:
         raise ValueError(f"draft_topk: logits {tuple(logits.shape)} (V <= {TOPK_MAX_V}), out {tuple(out_tok.shape)}")
-    vpl = cdiv(V, WARP)
-    if TOPK_WARP and vpl <= TOPK_WARP_MAX_VPL and out_tok.shape[2] <= TOPK_WARP_MAX_K:
-        _warp_topk_kernel(8 if vpl <= 8 else TOPK_WARP_MAX_VPL)[D, WARP, stream](logits, out_tok, out_logp)
-    else:
-        draft_topk[D, _TOPK_NT, stream](logits, out_tok, out_logp)
+    draft_topk[D, _TOPK_NT, stream](logits, out_tok, out_logp)
 
 
 # --------------------------------------------------------------------------------------------------

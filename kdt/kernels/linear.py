@@ -133,6 +133,17 @@ V2_SHRINK_WORDS = 3 << 20
 # scripts/ab_fused_norm.py all / rule, one machine, twice each: verify n = 16 / 64 / 256 at L = 512 fused
 # everywhere 14.45 / 41.22 / 132.3 ms, by the rule (none of its projections) 13.65 / 39.10 / 124.5 ms.
 FUSE_NORM = os.environ.get("KDT_LINEAR_FUSE_NORM", "1") == "1"
+# silu(gate) * up folded into linear_v2's staging of x (``linear(..., glu=a)``: the dense MLP's down projection
+# reads gu[M, 2I] = [gate | up] itself): dense_mlp then takes 2 launches, not 3. Env KDT_LINEAR_FUSE_GLU, "1"
+# turns it on; OFF by default. Predicted: silu_mul's ~1.3 us of kernel and ~1 us of graph gap less per dense
+# layer and step. Measured (H200, session 18, issue 8's table alternated on one machine, docs/PERF.md): the
+# learned budget-16 step lost 0.3-2.5% with it on (15995 / 15715 tok/s against 16048 / 16493 off), AR gained
+# ~1% (5526 / 5551 against 5495 / 5455). Every row block and K-split of a token tile recomputes silu of the
+# same elements (an IEEE divide and expf, ~20 instructions, per 32 FMAs that element feeds): at the drafter's
+# 32 rows (4-row tiles, 8 row blocks, 4 K-splits) that costs what the launch saved. Also for small weights only
+# (``fuses_glu``, the bound of ``fuses_norm``): a compute-bound launch would pay up to ~half its instructions
+# (Moonlight's dense down, 2048 x 11264 at M = 512), where the separate silu_mul is cheap beside the GEMM.
+FUSE_GLU = os.environ.get("KDT_LINEAR_FUSE_GLU", "0") == "1"
 
 
 def _skinny_config(M: int, N: int) -> tuple[int, int, int]:
@@ -428,18 +439,30 @@ def _v2_params(kind: str, TM: int, NR: int, U: int, warps: int) -> dict:
 
 
 def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int, KCE: int, NV: int,
-               UNPACK: tuple, WARPS: int, NORM: bool = False, **_) -> str:
+               UNPACK: tuple, WARPS: int, NORM: bool = False, GLU: bool = False, **_) -> str:
     """Python source of the v2 kernel for one (TM, NR, PACK), every compile-time loop unrolled.
 
     Hot-loop indices are uint32 (Numba adds a negative-index wrap-around to every signed index) and
     each weight row is a 1-D view taken once, so a step costs NR loads and next to no integer work.
     NORM: x is RMS-normalised as it is staged (y = rmsnorm(x; gw, eps) @ W^T): each warp first sums the
-    squares of whole rows of its token tile (rows warp, warp + WARPS, ..), rstd lands in shared rs[t]."""
+    squares of whole rows of its token tile (rows warp, warp + WARPS, ..), rstd lands in shared rs[t].
+    GLU: x is [M, 2K] = [gate | up] and the staged value of column c is silu(x[m, c]) * x[m, c + K] (y =
+    (silu(gate) * up) @ W^T), the expression of elementwise.silu_mul_kernel: the same float32 bits."""
+    assert not (NORM and GLU), "one prologue at a time"
     T, R, Us, Ps = range(TM), range(NR), range(U), range(PACK)
     fast = KCE % NT == 0  # full chunks are staged with compile-time offsets
-    nf = [f" * nr_{t}" for t in T] if NORM else [""] * TM  # the staged value's factors: rstd of row t ..
-    gf = " * gw[{}]" if NORM else ""  # .. and the norm weight of column {}
     s = Src()
+
+    def staged(load: str, c: str, rstd: str) -> str:
+        """Source of the value staged for column c of a token row (``load``: the row's element load, "{}" for
+        the column; ``rstd``: the row's rstd, NORM). GLU first emits ``g = `` the gate element."""
+        if NORM:
+            return f"{load.format(c)} * {rstd} * gw[{c}]"
+        if GLU:
+            s(f"g = {load.format(c)}")
+            return f"g / (float32(1.0) + math.exp(-g)) * {load.format(f'{c} + Kg')}"
+        return load.format(c)
+
     with s.block(f"def linear_v2(x, W, Kw, y, part, tickets, ks, accumulate{', gw, eps' if NORM else ''}):"):
         s('"""x[M, K] f32, W[N * Kw] weight words (row-major [N, Kw], Kw = K / PACK, N * Kw < 2**32),')
         s("y[M, N] f32: y = x @ W^T (+ y), or,")
@@ -462,6 +485,8 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
         s("n0 = (cuda.blockIdx.y * WARPS + warp) * NR")
         s("kbeg = cuda.blockIdx.z * ks")
         s("kend = uint32(min(kbeg + ks, Kw))")
+        if GLU:
+            s("Kg = uint32(x.shape[1] // 2)  # x = [gate | up]: the up element of column c is x[m, c + Kg]")
         for r in R:  # word offsets of the rows (clamped: rows >= N are loaded but never written)
             s(f"ro_{r} = uint32(min(n0 + {r}, N - 1) * Kw)")
         for t in T:
@@ -509,8 +534,8 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                     for t in T:  # rows past M are clamped to row M - 1: their sums are never written
                         s(f"xr = x[min(m0 + {t}, M - 1)]")
                         for off in range(0, KCE, NT):
-                            s(f"xs[sp, {t}, si + uint32({off // PACK})] = xr[xk + uint32({off})]{nf[t]}"
-                              + gf.format(f"xk + uint32({off})"))
+                            v = staged("xr[{}]", f"xk + uint32({off})", f"nr_{t}")
+                            s(f"xs[sp, {t}, si + uint32({off // PACK})] = {v}")
                 # the last, partial chunk: the same unrolled loads (all in flight at once), their index
                 # clamped, zeros past the range end. (A runtime loop here, one dependent load per trip,
                 # was most of linear_v2's time at K <= 1024: 1-2 us a token tile at TM = 8-16.)
@@ -521,7 +546,7 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                         s(f"xr = x[min(m0 + {t}, M - 1)]")
                         for off in range(0, KCE, NT):
                             s(f"c = min(xk + uint32({off}), xe - uint32(1))")
-                            s(f"v = xr[c]{nf[t]}" + gf.format("c"))
+                            s("v = " + staged("xr[{}]", "c", f"nr_{t}"))
                             s(f"xs[sp, {t}, si + uint32({off // PACK})] = "
                               f"v if xk + uint32({off}) < xe else float32(0.0)")
             else:
@@ -532,8 +557,8 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                         s("t = e // cp")
                         s("r = e - t * cp")
                         s("c = c0 * PACK + min(r, ce - 1)")
-                        s("xs[r % PACK, t, r // PACK] = x[min(m0 + t, M - 1), c]"
-                          + (" * rs[t] * gw[c]" if NORM else "") + " if r < ce else float32(0.0)")
+                        v = staged("x[min(m0 + t, M - 1), {}]", "c", "rs[t]")
+                        s(f"xs[r % PACK, t, r // PACK] = {v} if r < ce else float32(0.0)")
             s("cuda.syncthreads()")
             with s.block("if n0 < N:"):
                 with s.block("for i0 in range(0, cw, STEP):"):
@@ -630,8 +655,9 @@ else:
 
 
 @cache
-def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int, norm: bool = False):
-    """The v2 kernel for one weight kind and (TM, NR, U, warps); ``norm``: the RMS-normalising variant."""
+def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int, norm: bool = False, glu: bool = False):
+    """The v2 kernel for one weight kind and (TM, NR, U, warps); ``norm``: the RMS-normalising variant;
+    ``glu``: the variant that stages silu(gate) * up of x = [gate | up]."""
     _, PACK, _ = _KINDS[kind]
     prm = _v2_params(kind, TM, NR, U, warps)
     ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, math=math, WARP=WARP, ldcg3=_ldcg3,
@@ -640,7 +666,7 @@ def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int, norm: bool = Fal
         ns.update(unpack_lo=_v2_lo, unpack_hi=_v2_hi, unpack_b=_v2_bf16)
     else:
         ns.update(i2f=libdevice.int_as_float)
-    src = _v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind], NORM=norm)
+    src = _v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind], NORM=norm, GLU=glu)
     return jit_source(src, "linear_v2", ns, __name__)
 
 
@@ -654,10 +680,14 @@ def _weight_kind(W) -> str:
     raise TypeError(f"unsupported weight dtype {dt}: linear takes float32 or bf16 (stored as uint16)")
 
 
-def _check_args(x, W, y) -> tuple[int, int, int]:
-    M, K = x.shape
-    N, Kw = W.shape
-    if Kw != K or tuple(y.shape) != (M, N):
+def _check_args(x, W, y, glu: bool = False) -> tuple[int, int, int]:
+    """(M, K, N) of a valid call; ``glu``: x is [M, 2K] = [gate | up] for W[N, K]."""
+    M, Kx = x.shape
+    N, K = W.shape
+    if glu and Kx != 2 * K:
+        raise ValueError(f"linear: with glu, x [gate | up] must have 2K = {2 * K} columns for W {tuple(W.shape)}, "
+                         f"got x {tuple(x.shape)}")
+    if Kx != (2 * K if glu else K) or tuple(y.shape) != (M, N):
         raise ValueError(f"linear: x {tuple(x.shape)}, W {tuple(W.shape)}, y {tuple(y.shape)} do not match")
     if np.dtype(x.dtype) != np.float32 or np.dtype(y.dtype) != np.float32:
         raise TypeError("linear: x and y must be float32")
@@ -672,7 +702,7 @@ def _pair_words(W, kind: str, K: int):
     return W, kind
 
 
-def linear(x, W, y, accumulate: bool = False, stream=0, norm=None) -> None:
+def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> None:
     """``y[M, N] = x[M, K] @ W[N, K]^T``, or ``y += x @ W^T`` with ``accumulate`` (fused residual add).
 
     x: float32 device array [M, K]; W: float32 or uint16 (bf16 bits) device array [N, K];
@@ -683,9 +713,23 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None) -> None:
     ``norm = (gw, eps, a)``: y = rmsnorm(x; gw[K] float32, eps) @ W^T. With the v2 kernel and a small W
     (:func:`fuses_norm`) the normalisation happens as x is staged (one launch); else
     :func:`kdt.kernels.elementwise.rmsnorm` writes a[M, K] first (two launches).
+
+    ``glu = a``, float32 scratch [M, K]: x is [M, 2K] = [gate | up] and y (+)= (silu(gate) * up) @ W^T (the
+    dense MLP's down projection). With the v2 kernel and a small W (:func:`fuses_glu`) silu * up happens as x
+    is staged (one launch); else :func:`kdt.kernels.elementwise.silu_mul` writes a first. Bitwise the same.
     """
     M = x.shape[0]
     v2 = VERSION == "2" and V2_MIN_M <= M <= V2_MAX_M
+    if glu is not None:
+        if norm is not None:
+            raise ValueError("linear: norm and glu cannot be combined")
+        _, K, _ = _check_args(x, W, y, glu=True)
+        if tuple(glu.shape) != (M, K) or np.dtype(glu.dtype) != np.float32:
+            raise ValueError(f"linear: the glu scratch must be float32 [{M}, {K}], got {glu.dtype} {tuple(glu.shape)}")
+        if v2 and fuses_glu(*W.shape) and _v2_reads(W):
+            return linear_v2(x, W, y, accumulate, stream, glu=True)
+        ew.silu_mul(x[:, :K], x[:, K:], glu, stream=stream)
+        x = glu
     if norm is not None:
         gw, eps, a = norm
         if v2 and fuses_norm(*W.shape) and _v2_reads(W):
@@ -702,6 +746,12 @@ def fuses_norm(N: int, Kw: int) -> bool:
     """``linear(..., norm=...)`` folds the norm into linear_v2 for a weight [N, Kw words]: FUSE_NORM and a
     small matrix (at most half the small-weight rule's V2_SHRINK_WORDS: 6 MB; see FUSE_NORM)."""
     return FUSE_NORM and 2 * N * Kw <= V2_SHRINK_WORDS
+
+
+def fuses_glu(N: int, Kw: int) -> bool:
+    """``linear(..., glu=...)`` folds silu * up into linear_v2 for a weight [N, Kw]: FUSE_GLU and the small
+    matrices of :func:`fuses_norm` (see FUSE_GLU)."""
+    return FUSE_GLU and 2 * N * Kw <= V2_SHRINK_WORDS
 
 
 def _v2_reads(W) -> bool:
@@ -803,27 +853,30 @@ def _scratch(dev: int, S: int, M: int, N: int, n_tiles: int):
 
 
 def linear_v2(x, W, y, accumulate: bool = False, stream=0, tm: int | None = None,
-              splits: int | None = None, warps: int | None = None, norm=None) -> None:
+              splits: int | None = None, warps: int | None = None, norm=None, glu: bool = False) -> None:
     """:func:`linear` with the v2 kernel (any M); ``tm`` / ``splits`` / ``warps`` override the plan
-    (tests, sweeps); ``norm = (gw, eps)``: y = rmsnorm(x; gw, eps) @ W^T in the same launch.
+    (tests, sweeps); ``norm = (gw, eps)``: y = rmsnorm(x; gw, eps) @ W^T in the same launch; ``glu``: x is
+    [M, 2K] = [gate | up] and y = (silu(gate) * up) @ W^T in the same launch.
 
     With S > 1 K-splits, partial sums go to a cached scratch buffer and the last block of each output
     tile to finish (atomic ticket) adds them in split order (then ``y`` when ``accumulate``), in the
     same launch: results are identical run to run."""
-    M, K, N = _check_args(x, W, y)
+    if norm is not None and glu:
+        raise ValueError("linear: norm and glu cannot be combined")
+    M, K, N = _check_args(x, W, y, glu)
     if norm is not None and (tuple(norm[0].shape) != (K,) or np.dtype(norm[0].dtype) != np.float32):
         raise ValueError(f"linear: the norm weight must be float32 [{K}], got {norm[0].dtype} {tuple(norm[0].shape)}")
     if M == 0 or N == 0:
         return
     if not _v2_reads(W):
-        if norm is not None:
-            raise ValueError("linear_v2: a normalising launch needs W contiguous with < 2**32 elements")
+        if norm is not None or glu:
+            raise ValueError("linear_v2: a normalising or GLU launch needs W contiguous with < 2**32 elements")
         return linear_v1(x, W, y, accumulate, stream)
     W, kind = _pair_words(W, _weight_kind(W), K)
     Kw = W.shape[1]
     dev, nsm = _device()
     TM, NR, U, warps, S, ks = _v2_plan(M, N, Kw, nsm, tm, splits, warps)
-    kern = _v2_kernel(kind, TM, NR, U, warps, norm is not None)
+    kern = _v2_kernel(kind, TM, NR, U, warps, norm is not None, glu)
     acc = 1 if accumulate else 0
     grid = (cdiv(M, TM), cdiv(N, NR * warps), S)
     part, tickets = _scratch(dev, S, M, N, grid[0] * grid[1]) if S > 1 else _scratch(dev, 1, 1, 1, 1)
@@ -832,9 +885,29 @@ def linear_v2(x, W, y, accumulate: bool = False, stream=0, tm: int | None = None
 
 
 # ---- sm_90 compile check: both paths, every weight-word kind, every skinny tile config -----------------
-def V2_SIG(wt, norm: bool = False):  # noqa: N802 - the v2 kernel's signature for weight-word type wt
+def V2_SIG(wt, norm: bool = False, glu: bool = False):  # noqa: N802 - the v2 kernel's signature for word type wt
+    """(``glu``: the same as the plain kernel's; x is [M, 2K], C-contiguous like dense_mlp's gu, or h[:M] of a
+    C-contiguous h: a row slice keeps the C layout.)"""
     sig = (float32[:, ::1], wt[::1], int64, float32[:, ::1], float32[:, :, ::1], int32[::1], int64, int64)
     return sig + ((float32[::1], float32) if norm else ())
+
+
+# The shapes the engine runs linear(..., glu=) at (dense_mlp's down projection, weight [N, K]): (M, N, K, kind)
+# for fixtures/model_code.h5's target dense layer (hidden 256, intermediate 768, bf16 -> int32 words of two)
+# at the M = 1 decode and M = 17 verify steps, its learned drafter's (intermediate 1024, float32) at M = 32,
+# and fixtures/model_tiny.h5's (intermediate 512, float32 and bf16) at M = 1 and 8.
+GLU_ENGINE_SHAPES = ((1, 256, 768, "bf16x2"), (17, 256, 768, "bf16x2"), (32, 256, 1024, "f32"),
+                     (1, 256, 512, "f32"), (8, 256, 512, "f32"), (1, 256, 512, "bf16x2"), (8, 256, 512, "bf16x2"))
+
+
+def glu_variants(nsm: int = 132) -> list[tuple[str, int, int, int, int]]:
+    """(kind, TM, NR, U, warps) of the v2 kernels GLU_ENGINE_SHAPES plan on a GPU of nsm SMs (132: the H200)."""
+    out = []
+    for M, N, K, kind in GLU_ENGINE_SHAPES:
+        TM, NR, U, warps, _, _ = _v2_plan(M, N, K // _KINDS[kind][1], nsm)
+        if (kind, TM, NR, U, warps) not in out:
+            out.append((kind, TM, NR, U, warps))
+    return out
 
 
 def _register() -> None:
@@ -857,6 +930,10 @@ def _register() -> None:
             if (kind, TM) in (("f32", 1), ("f32", 16), ("bf16x2", 1), ("bf16x2", 4)) and warps == V2_WARPS:
                 register_ptx(_v2_kernel(kind, TM, V2_NR, U, warps, True), V2_SIG(wt, True),
                              name=f"linear_v2_norm_{kind}_{TM}x{V2_NR}_u{U}_w{warps}")
+    # the GLU variant (dense_mlp's down projection) only where the engine runs it: each costs 4-15 s of the check
+    for kind, TM, NR, U, warps in glu_variants():
+        register_ptx(_v2_kernel(kind, TM, NR, U, warps, glu=True), V2_SIG(_KINDS[kind][2], glu=True),
+                     name=f"linear_v2_glu_{kind}_{TM}x{NR}_u{U}_w{warps}")
 
 
 _register()

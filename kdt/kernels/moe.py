@@ -439,7 +439,8 @@ def expert_down(h, w_down, y, active, n_active, offsets, n_rows: int, stream=0) 
 
 
 # dense MLP version (env KDT_DENSE_MLP_VERSION): 1 = the two GEMM launches above in dense mode; 2 = linear
-# (kdt.kernels.linear's default, v2) for gate_up, silu_mul, linear for down (three launches)
+# (kdt.kernels.linear's default, v2) for gate_up, silu_mul, linear for down (three launches; two with env
+# KDT_LINEAR_FUSE_GLU=1, silu * up in the down projection's staging: off by default, see kdt.kernels.linear)
 DENSE_MLP_VERSION = int(os.environ.get("KDT_DENSE_MLP_VERSION", "2"))
 
 
@@ -460,8 +461,10 @@ def dense_mlp(x, w_gate_up, w_down, h, out, M: int | None = None, accumulate: bo
     ``version`` (default ``DENSE_MLP_VERSION``):
 
     - 1: the grouped-GEMM kernels in dense mode, silu * up fused into the gate_up GEMM (2 launches);
-    - 2: ``linear`` for gate_up into ``gu[M, 2Is]``, :func:`kdt.kernels.elementwise.silu_mul` of its
-      halves into ``a[M, Is]``, ``linear`` for down (3 launches; gu and a are consecutive stretches of h).
+    - 2: ``linear`` for gate_up into ``gu[M, 2Is]``, then ``linear(gu, .., glu=a)`` for down:
+      :func:`kdt.kernels.elementwise.silu_mul` of its halves into ``a[M, Is]`` first (3 launches; gu and a
+      are consecutive stretches of h), or, where :func:`kdt.kernels.linear.fuses_glu` (env
+      KDT_LINEAR_FUSE_GLU=1), silu(gate) * up computed as the down projection stages gu (2 launches).
     """
     M = x.shape[0] if M is None else int(M)
     w_gate_up, w_down = _as3(w_gate_up), _as3(w_down)
@@ -479,8 +482,7 @@ def dense_mlp(x, w_gate_up, w_down, h, out, M: int | None = None, accumulate: bo
         a = flat[M * 2 * Is: M * 3 * Is].reshape(M, Is)
         linear(x[:M], w_gate_up[0], gu, stream=stream,
                norm=None if norm is None else (norm[0], norm[1], norm[2][:M]))
-        ew.silu_mul(gu[:, :Is], gu[:, Is:], a, stream=stream)
-        linear(a, w_down[0], out[:M], accumulate=accumulate, stream=stream)
+        linear(gu, w_down[0], out[:M], accumulate=accumulate, stream=stream, glu=a)
         return
     Wgu, epw = _words(w_gate_up)
     Wd, epw2 = _words(w_down)
