@@ -324,32 +324,21 @@ def test_kv_compact_gpu(rng, n_layers, rkv, dr):
 # ------------------------------------------------------------------------------- the device step's kernels
 
 
-def topk_inputs(rng, D: int, V: int, K: int, ties: bool):
-    """Random logits [D, V] (odd rows shifted below 0; ``ties``: rounded, so equal values are common) and the
-    reference top-K, a stable argsort of the float64 log-softmax -> (logits, tokens [D, K], their log-probs)."""
+def check_topk(rng, D: int, V: int, K: int, ties: bool) -> None:
+    """draft_topk == a stable argsort of the float64 log-softmax (tokens exactly, log-probs to 2e-6) on random
+    logits (odd rows shifted below 0; ``ties``: rounded, so equal values, -0.0 beside 0.0 too, are common)."""
     logits = rng.standard_normal((D, V)).astype(np.float32) * 3
     logits[1::2] -= logits[1::2].max(1, keepdims=True) + 1  # every other row all negative
-    if ties:  # repeated values (and -0.0 beside 0.0): the smaller token id must come first
+    if ties:  # repeated values: the smaller token id must come first
         logits = np.round(logits).astype(np.float32)
     x = logits.astype(np.float64)
     logp = x - x.max(1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(1, keepdims=True))
     top = np.argsort(-logp, axis=1, kind="stable")[:, :K]
-    return logits, top, np.take_along_axis(logp, top, 1)
-
-
-def check_topk_out(tok, lp, top, top_logp) -> None:
-    """Tokens exactly, log-probs to 2e-6 (float32 sums of exp against float64)."""
-    np.testing.assert_array_equal(tok.copy_to_host()[0], top)
-    np.testing.assert_allclose(lp.copy_to_host()[0], top_logp, rtol=0, atol=2e-6)
-
-
-def check_topk(rng, D: int, V: int, K: int, ties: bool) -> None:
-    """draft_topk == a stable argsort of the float64 log-softmax."""
-    logits, top, top_logp = topk_inputs(rng, D, V, K, ties)
     tok, lp = cuda.to_device(poisoned((1, D, K), np.int64)), cuda.to_device(poisoned((1, D, K)))
     topk_gpu(cuda.to_device(logits), tok, lp)
-    check_topk_out(tok, lp, top, top_logp)
+    np.testing.assert_array_equal(tok.copy_to_host()[0], top)
+    np.testing.assert_allclose(lp.copy_to_host()[0], np.take_along_axis(logp, top, 1), rtol=0, atol=2e-6)
 
 
 @pytest.mark.kernels
