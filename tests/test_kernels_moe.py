@@ -275,7 +275,7 @@ def test_expert_gemms_multi_tile(rng, dtype):
     assert rel_err(y.copy_to_host(), y_ref) < FP32_BOUND
     # dense path: shared expert of width 20 over all 12 tokens, accumulated onto x0
     x0 = rng.standard_normal((M, D)).astype(np.float32)
-    for version in (1, 2):  # the grouped-GEMM kernels in dense mode; linear + linear(glu=)
+    for version in (1, 2):  # the grouped-GEMM kernels in dense mode; linear + silu_mul + linear (or linear(glu=))
         _check_dense_mlp(x, x0, experts[0], dtype, version)
 
 
