@@ -23,6 +23,27 @@ from kdt.kernels import ddtree as kd
 from kdt.kernels.bench import time_us
 
 
+def from_logits(spec: str, budgets: list[int], rng) -> list[dict]:
+    """spec "DxVxK": GPU time of draft_topk over random logits [D, V] (K candidates), of tree_build on its
+    output and of both back to back, at each budget (one row each)."""
+    D, V, K = (int(x) for x in spec.split("x"))
+    logits = cuda.to_device(rng.standard_normal((D, V)).astype(np.float32) * 3)
+    tok, lp = cuda.device_array((1, D, K), np.int64), cuda.device_array((1, D, K), np.float32)
+    root, L = cuda.to_device(np.array([3], np.int64)), cuda.to_device(np.array([100], np.int64))
+    rows = []
+    for budget in budgets:
+        out = kd.alloc_tree(1, budget + 1)
+        us = dict(
+            topk=time_us(lambda i: kd.topk_gpu(logits, tok, lp)),
+            tree=time_us(lambda i, b=budget, o=out: kd.build_tree_gpu(root, tok, lp, b, L, out=o)),
+            both=time_us(lambda i, b=budget, o=out: (kd.topk_gpu(logits, tok, lp),
+                                                     kd.build_tree_gpu(root, tok, lp, b, L, out=o))))
+        rows.append(dict(D=D, V=V, K=K, budget=budget, **{f"{k}_us": round(v, 2) for k, v in us.items()}))
+        print(f"D={D} V={V} K={K} budget={budget:4d}: " + "  ".join(f"{k} {v:6.2f} us" for k, v in us.items()),
+              flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budgets", default="1,7,16,31")
@@ -33,24 +54,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     if a.logits:
-        D, V, K = (int(x) for x in a.logits.split("x"))
-        logits = cuda.to_device(rng.standard_normal((D, V)).astype(np.float32) * 3)
-        tok, lp = cuda.device_array((1, D, K), np.int64), cuda.device_array((1, D, K), np.float32)
-        root, L = cuda.to_device(np.array([3], np.int64)), cuda.to_device(np.array([100], np.int64))
-        for budget in (int(b) for b in a.budgets.split(",")):
-            out = kd.alloc_tree(1, budget + 1)
-            us = dict(
-                topk=time_us(lambda i: kd.topk_gpu(logits, tok, lp)),
-                tree=time_us(lambda i, b=budget, o=out: kd.build_tree_gpu(root, tok, lp, b, L, out=o)),
-                both=time_us(lambda i, b=budget, o=out: (kd.topk_gpu(logits, tok, lp),
-                                                         kd.build_tree_gpu(root, tok, lp, b, L, out=o))))
-            rows.append(dict(D=D, V=V, K=K, budget=budget, **{f"{k}_us": round(v, 2) for k, v in us.items()}))
-            print(f"D={D} V={V} K={K} budget={budget:4d}: " + "  ".join(f"{k} {v:6.2f} us" for k, v in us.items()),
-                  flush=True)
-        shapes = ""
-    else:
-        shapes = a.shapes
-    for shape in filter(None, shapes.split(",")):
+        rows = from_logits(a.logits, [int(b) for b in a.budgets.split(",")], rng)
+    for shape in [] if a.logits else a.shapes.split(","):
         D, K = (int(x) for x in shape.split("x"))
         for budget in (int(b) for b in a.budgets.split(",")):
             logp = -np.sort(rng.exponential(1.0, size=(1, D, K)), axis=-1).astype(np.float32)

@@ -184,7 +184,6 @@ def test_linear_norm_rejects_bad_weights():
         lin.linear_v2(x, W, y, norm=(cuda.to_device(np.ones(7, np.float32)), 1e-6))
 
 
-
 # ---- GLU prologue: y = (silu(gate) * up) @ W^T for x = [gate | up] (dense_mlp's down projection) ------------
 # (M, N, K, wdtype, accumulate, tm, splits, warps). In the simulator a K-chunk is V2_KCW = 64 words: K = 300
 # f32 is 4 full chunks + a partial one; bf16 K = 130 (65 words) in 2 splits is one full chunk, then one word;

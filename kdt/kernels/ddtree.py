@@ -7,9 +7,8 @@ tie-break: higher score first, then the smaller push id; the sibling is pushed b
   best-first search runs in warp 0's registers for budgets <= 31 (:func:`_warp_search`: each pop a warp
   arg-max) and on thread 0's binary heap in shared memory otherwise (log-probs staged in shared memory
   too, so the sequential loop never waits on global memory); the other warps zero the visibility
-  matrix meanwhile; then every thread
-  writes whole nodes: the outputs and the visibility row (by walking that node's ancestors, so rows
-  are independent), and marks the unused slots.
+  matrix meanwhile; then every thread writes whole nodes: the outputs and the visibility row (by
+  walking that node's ancestors, so rows are independent), and marks the unused slots.
 - ``tree_accept``: one block per request stages the tree's rows in shared memory, then thread 0 walks
   ``first_child`` / ``next_sibling`` along the target's choices.
 - ``kv_compact``: one thread per (layer, column) of both caches moves the accepted rows in increasing
@@ -28,8 +27,9 @@ Measured on the H200 (ncu, one request, D=15, K=32): tree_build 95 / 444 / 962 u
 64 / 256 / 512, bound by the latency of thread 0's heap loop (~1.9 us per pop; static shared memory
 48,180 bytes, just under the 48 KiB limit); tree_accept 5-7 us; kv_compact 12 us for 61 layers x 16
 rows x (512 + 64) columns. The warp search (2026-12-01, ``scripts/bench_tree.py``, D = 15): K = 16
-budget 16 / 31 12.2 / 19.6 us against the heap's 16.0 / 28.9. A chain (K = 1, or a budget <= 1) needs no
-search since 2026-12-02: every thread writes its nodes (budget 15: 5.5 us, the heap 8.1).
+budget 16 / 31 12.2 / 19.6 us against the heap's 16.0 / 28.9; 9.7 / 15.0 us since 2026-12-02 (comparisons
+without branches). A chain (K = 1, or a budget <= 1) needs no search since then: every thread writes its
+nodes (budget 15: 5.5 us, the heap 8.1).
 """
 
 from __future__ import annotations
@@ -240,10 +240,31 @@ def _warp_search(lane, nb, ds, ks, s_logp, xf, xi, cand_depth, cand_rank, node_c
     return count + 1
 
 
-@cuda.jit(device=True, inline="always")
-def _tree_body(r, tid, nt, root_token, draft_tokens, draft_logp, budget, warp_max, L, tokens, depth, parent,
-               first_child, next_sibling, positions, visibility, n_nodes):
-    """Request r's tree by thread tid of nt (the whole block calls it): see :func:`tree_build`."""
+@cuda.jit
+def tree_build(
+    root_token,  # [R] int64
+    draft_tokens,  # [R, D, K] int64
+    draft_logp,  # [R, D, K] float32
+    budget,  # int32 scalar, clamped to NMAX - 1 and MAX_BUDGET
+    warp_max,  # int32 scalar: budgets <= warp_max (<= 31) search in one warp (needs >= 32 threads)
+    L,  # [R] int64, committed tokens per request
+    tokens,  # out [R, NMAX] int64
+    depth,  # out [R, NMAX] int32
+    parent,  # out [R, NMAX] int32
+    first_child,  # out [R, NMAX] int32
+    next_sibling,  # out [R, NMAX] int32
+    positions,  # out [R, NMAX] int64 = L + depth
+    visibility,  # out [R, NMAX, NMAX] uint8
+    n_nodes,  # out [R] int32
+):
+    """Best-first DDTree per request; grid = R blocks, any block size (128 is a good default).
+
+    1. all threads stage the reachable log-probs ``[min(D, nb), min(K, nb)]`` in shared memory;
+    2. a chain is written by all threads at once; a tree is searched by warp 0 (nb <= warp_max:
+       :func:`_warp_search`, in registers) or thread 0 (a binary heap in shared memory), while other
+       warps zero ``visibility`` on ``[0, nb + 1)^2`` (every node index of this budget is below nb + 1);
+    3. every thread writes whole nodes: outputs from shared memory, visibility row by ancestor walk.
+    """
     # candidates, indexed by push id: parent node, depth, rank, previously popped sibling (-1: none)
     cand_parent = cuda.shared.array(_CAND_CAP, int16)
     cand_depth = cuda.shared.array(_CAND_CAP, int16)
@@ -261,6 +282,9 @@ def _tree_body(r, tid, nt, root_token, draft_tokens, draft_logp, budget, warp_ma
     xf = cuda.shared.array(_XCH, float32)  # lane exchange of the warp search (simulator only)
     xi = cuda.shared.array(_XCH, int32)
 
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
     nmax = tokens.shape[1]
     D = draft_tokens.shape[1]
     K = draft_tokens.shape[2]
@@ -397,35 +421,6 @@ def _tree_body(r, tid, nt, root_token, draft_tokens, draft_logp, budget, warp_ma
             first_child[r, i] = -1
             next_sibling[r, i] = -1
             positions[r, i] = -1
-
-
-@cuda.jit
-def tree_build(
-    root_token,  # [R] int64
-    draft_tokens,  # [R, D, K] int64
-    draft_logp,  # [R, D, K] float32
-    budget,  # int32 scalar, clamped to NMAX - 1 and MAX_BUDGET
-    warp_max,  # int32 scalar: budgets <= warp_max (<= 31) search in one warp (needs >= 32 threads)
-    L,  # [R] int64, committed tokens per request
-    tokens,  # out [R, NMAX] int64
-    depth,  # out [R, NMAX] int32
-    parent,  # out [R, NMAX] int32
-    first_child,  # out [R, NMAX] int32
-    next_sibling,  # out [R, NMAX] int32
-    positions,  # out [R, NMAX] int64 = L + depth
-    visibility,  # out [R, NMAX, NMAX] uint8
-    n_nodes,  # out [R] int32
-):
-    """Best-first DDTree per request; grid = R blocks, any block size (128 is a good default).
-
-    1. all threads stage the reachable log-probs ``[min(D, nb), min(K, nb)]`` in shared memory;
-    2. a chain is written by all threads at once; a tree is searched by warp 0 (nb <= warp_max:
-       :func:`_warp_search`, in registers) or thread 0 (a binary heap in shared memory), while other
-       warps zero ``visibility`` on ``[0, nb + 1)^2`` (every node index of this budget is below nb + 1);
-    3. every thread writes whole nodes: outputs from shared memory, visibility row by ancestor walk.
-    """
-    _tree_body(cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x, root_token, draft_tokens, draft_logp, budget,
-               warp_max, L, tokens, depth, parent, first_child, next_sibling, positions, visibility, n_nodes)
 
 
 _I64_1 = int64[::1]

@@ -885,9 +885,9 @@ def linear_v2(x, W, y, accumulate: bool = False, stream=0, tm: int | None = None
 
 
 # ---- sm_90 compile check: both paths, every weight-word kind, every skinny tile config -----------------
-def V2_SIG(wt, norm: bool = False, glu: bool = False):  # noqa: N802 - the v2 kernel's signature for word type wt
-    """(``glu``: the same as the plain kernel's; x is [M, 2K], C-contiguous like dense_mlp's gu, or h[:M] of a
-    C-contiguous h: a row slice keeps the C layout.)"""
+def V2_SIG(wt, norm: bool = False):  # noqa: N802 - the v2 kernel's signature for weight-word type wt
+    """(The GLU variant takes the plain signature: its x [M, 2K] is C-contiguous like dense_mlp's gu, or h[:M]
+    of a C-contiguous h, a row slice that keeps the C layout.)"""
     sig = (float32[:, ::1], wt[::1], int64, float32[:, ::1], float32[:, :, ::1], int32[::1], int64, int64)
     return sig + ((float32[::1], float32) if norm else ())
 
@@ -932,7 +932,7 @@ def _register() -> None:
                              name=f"linear_v2_norm_{kind}_{TM}x{V2_NR}_u{U}_w{warps}")
     # the GLU variant (dense_mlp's down projection) only where the engine runs it: each costs 4-15 s of the check
     for kind, TM, NR, U, warps in glu_variants():
-        register_ptx(_v2_kernel(kind, TM, NR, U, warps, glu=True), V2_SIG(_KINDS[kind][2], glu=True),
+        register_ptx(_v2_kernel(kind, TM, NR, U, warps, glu=True), V2_SIG(_KINDS[kind][2]),
                      name=f"linear_v2_glu_{kind}_{TM}x{NR}_u{U}_w{warps}")
 
 
