@@ -134,8 +134,8 @@ def generate(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens to generate."),
     drafter: str = typer.Option("auto", help="auto (the file's learned drafter if it has one, else suffix) | "
                                 "learned | suffix | useless | none (plain autoregressive)."),
-    budget: int = typer.Option(16, help="DDTree node budget per step (16: the fastest measured with the learned "
-                               "drafter of fixtures/model_code.h5, on the H200 and on the CPU; see docs/PERF.md)."),
+    budget: int = typer.Option(-1, help="DDTree node budget per step (-1: 31 on CUDA, 16 on the CPU, the fastest "
+                               "measured with the learned drafter of fixtures/model_code.h5; see docs/PERF.md)."),
     block_size: int = typer.Option(0, help="Drafter block size, tree depth + 1 (0: the learned drafter's, "
                                    "else 8)."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (lossless)."),
@@ -155,11 +155,15 @@ def generate(
         fail("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if max_new_tokens < 1:
         fail("--max-new-tokens must be >= 1")
-    if budget < 0 or block_size < 0 or block_size == 1:
-        fail("--budget must be >= 0 and --block-size >= 2")
+    if budget < -1 or block_size < 0 or block_size == 1:
+        fail("--budget must be >= 0 (or -1: by backend) and --block-size >= 2")
     if drafter not in ("auto", "learned", "suffix", "useless", "none"):
         fail(f"unknown drafter {drafter!r} (auto, learned, suffix, useless, none)")
     from kdt.kernels.ddtree import MAX_BUDGET
+
+    be = resolve_backend(backend)
+    if budget == -1:  # 31: the largest tree whose verify (32 rows) stays on the small-M kernels (docs/PERF.md)
+        budget = 31 if be == "cuda" else 16
 
     if budget > MAX_BUDGET:
         fail(f"--budget {budget} is above the largest tree kdt builds ({MAX_BUDGET} nodes)")
@@ -189,7 +193,6 @@ def generate(
     if use_budget + len(ids) + 1 > min(max_len or ctx, ctx):
         fail(f"budget {use_budget} larger than the cache allows after a {len(ids)}-token prompt")
     max_len = min(max_len or need, ctx)
-    be = resolve_backend(backend)
     if drafter == "learned" and fx.drafter is None:
         fail(f"{model} carries no learned drafter (train one with: kdt train-drafter {model})")
     if drafter == "auto":
@@ -252,7 +255,7 @@ def train_drafter(
     eval_prompts: int = typer.Option(8, help="Held-out prompts for the final acceptance table (0: skip)."),
     repeats: int = typer.Option(1, help="Time every row of the acceptance table this many times, in rounds over "
                                 "all rows, and report each row's median tokens/s (its ratio to AR's too)."),
-    budgets: str = typer.Option("16,64,256", help="DDTree budgets of the acceptance table, comma-separated (the "
+    budgets: str = typer.Option("16,31,64,256", help="DDTree budgets of the acceptance table, comma-separated (the "
                                 "suffix drafter runs at the largest)."),
     seed: int = typer.Option(0, help="Seed of data sampling and initialisation."),
     batch: int = typer.Option(8, help="Sequences per optimizer step (each with --anchors blocks)."),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -742,7 +742,40 @@ s18d)  # session 18: silu * up in the down projection, on and off (env KDT_LINEA
     --json "$OUT/bench-$day-tiny-s18d-glu0.json"
   for f in "$OUT"/drafter_*.log; do echo "== $f"; grep -h "budget\|chain\| ar " "$f" | cut -c1-150; done
   grep -h "decode AR:\|oracle chain:\|host work" "$OUT/bench_tiny.log" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d"; exit 2 ;;
+s19a)  # session 19: HEAD's ddtree and engine gpu tests beside kdt verify; every launch of the learned step timed inside
+  # a CUDA graph (scripts/profile_graphs.py); issue 8's table at budgets 16 / 24 / 32 (3 rounds)
+  tests_beside_verifies "gpu or kernels" 250 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
+  step graphs 120 python3 scripts/profile_graphs.py --json "$OUT/profile-graphs-$day-s19a.json"
+  step budgets 200 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 \
+    --budgets 16,24,32 --repeats 3 --json "$OUT/drafter-$day-model_code-cuda-s19a-budgets.json"
+  cut -c1-120 "$OUT/graphs.log"
+  grep -h "budget\|chain\| ar " "$OUT/budgets.log" | cut -c1-200 ;;
+s19b)  # session 19: the attention's minimum keys per split (KDT_MLA_MIN_KEYS, read on the device against L): the
+  # in-graph sweep, then issue 8's table at budgets 16 / 24 / 28 / 31 alternated on one machine with 8 (the bound
+  # before), 64 and 32 keys; the learned step's launches with 64. As run at the session's uncommitted code: the
+  # knob and profile_graphs.py's --attention sweep were removed after it (more keys a split was slower everywhere)
+  step attn_sweep 150 python3 scripts/profile_graphs.py --attention 8,32,64,128 --json "$OUT/attn-min-keys-$day-s19b.json"
+  b="--budgets 16,24,28,31 --repeats 3"
+  for k in 8 64 32 8 64; do
+    KDT_MLA_MIN_KEYS=$k step table_k${k}_$SECONDS 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only \
+      --backend cuda --dtype bf16 $b --json "$OUT/drafter-$day-model_code-cuda-s19b-k$k-$SECONDS.json"
+  done
+  KDT_MLA_MIN_KEYS=64 step graphs64 100 python3 scripts/profile_graphs.py --json "$OUT/profile-graphs-$day-s19b-k64.json"
+  cat "$OUT/attn_sweep.log" | cut -c1-150
+  for f in "$OUT"/table_*.log; do echo "== $f"; grep -h "budget\|chain\| ar " "$f" | cut -c1-150; done
+  grep -h "^  [a-zA-Z]" "$OUT/graphs64.log" | grep -v "^   *[0-9]" | cut -c1-120 ;;
+s19c)  # session 19's last call: the final code's ddtree and engine gpu tests beside kdt verify; issue 8's table at
+  # the default budgets (16 / 31 / 64 / 256, 3 rounds); every launch of the budget-31 step inside a graph
+  tests_beside_verifies "gpu or kernels" 250 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
+  step table 200 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 \
+    --repeats 3 --json "$OUT/drafter-$day-model_code-cuda-s19c.json"
+  step graphs31 100 python3 scripts/profile_graphs.py --budget 31 --json "$OUT/profile-graphs-$day-s19c-b31.json"
+  step generate 100 python3 -m kdt.cli generate --model fixtures/model_code.h5 --prompt "def " -n 200 --backend cuda \
+    --dtype bf16
+  grep -h "budget\|chain\| ar " "$OUT/table.log" | cut -c1-200
+  grep -h "^  [a-zA-Z]" "$OUT/graphs31.log" | cut -c1-120
+  tail -n 3 "$OUT/generate.log" | cut -c1-300 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -51,6 +51,7 @@ def test_generate_streams_text():
     (("verify", "nope.h5"), ["no such file"]),
     (("generate", "--prompt", "x" * 2000, "--backend", "cpu"), ["context"]),
     (("generate", "--prompt", "x", "--budget", "5000", "--backend", "cpu"), ["budget"]),
+    (("generate", "--prompt", "x", "--budget", "-2", "--backend", "cpu"), ["--budget"]),
     (("generate", "--prompt-ids", "1,99999", "--backend", "cpu"), ["vocabulary"]),
     (("generate", "--backend", "cpu"), ["--prompt"]),
     (("generate", "--prompt", "x", "--backend", "tpu"), ["backend"]),

@@ -74,5 +74,6 @@ def test_learned_drafter_is_the_default_and_equals_autoregressive():
     dd = generate_json("--prompt", prompt, "-n", "64")
     ar = generate_json("--prompt", prompt, "-n", "64", "--drafter", "none")
     assert dd["drafter"] == "learned" and dd["block_size"] == 16
+    assert dd["budget"] == 16  # --budget -1 (the default) on the CPU; 31 on CUDA
     assert dd["tokens"] == ar["tokens"]
     assert dd["avg_accept"] > 2.0, dd["avg_accept"]

@@ -1,0 +1,190 @@
+"""What each launch of the learned DDTree step costs inside a CUDA graph (run on a GPU; not a test, not a benchmark).
+
+    python scripts/profile_graphs.py [--model fixtures/model_code.h5] [--budget 16] [--reps 16] [--json F]
+
+The engine replays a greedy step from one CUDA graph, where a launch costs its kernel plus the graph's gap
+to the next node; eager profiles (scripts/profile_kernels.py) see neither. This script times:
+
+1. whole programs, each captured alone and replayed: the AR step, the learned step at ``--budget``, the
+   target's forward of 1 and budget + 1 tokens, the drafter's forward, its top-k, the tree build;
+2. every launch of the learned step, each captured ``--reps`` times in a graph of its own: its in-graph
+   time per launch, and their sum by phase (drafter forward, top-k, tree, target forward, rest);
+3. an empty kernel ``--reps`` times: the least a launch costs in a graph.
+
+Replays change the state (L grows, caches and buffers are overwritten): the tokens decoded are garbage after
+the first replay, which does not change what the launches cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import numpy as np
+from numba import cuda
+from numba.cuda import dispatcher as nd
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kdt.drafters import learned_drafter  # noqa: E402
+from kdt.engine import load_target  # noqa: E402
+from kdt.engine.cuda_model import ForwardGraphs  # noqa: E402
+from kdt.fixture import read_fixture  # noqa: E402
+from kdt.kernels import ddtree as kd  # noqa: E402
+from kdt.reference.decode import generate  # noqa: E402
+
+
+@cuda.jit
+def _noop():
+    pass
+
+
+def graph_us(launch, n: int = 50) -> float:
+    """Microseconds of GPU time a replay of the graph of ``launch(stream)`` takes (median of 3 runs of n)."""
+    g = ForwardGraphs(lambda key, stream=0: launch(stream))
+    g.run(0)  # direct (compiles)
+    g.run(0)  # captured, replayed
+    cuda.synchronize()
+    runs = []
+    for _ in range(3):
+        e0, e1 = cuda.event(timing=True), cuda.event(timing=True)
+        e0.record()
+        for _ in range(n):
+            g.run(0)
+        e1.record()
+        e1.synchronize()
+        runs.append(cuda.event_elapsed_time(e0, e1) * 1e3 / n)
+    return float(np.median(runs))
+
+
+class Recorder:
+    """While ``on``, every kernel launch is recorded (dispatcher, grid, block, shared memory, args, phase) and run."""
+
+    def __init__(self):
+        self.launches: list[tuple] = []
+        self.phase = "rest"
+        orig = nd._LaunchConfiguration.__call__
+        rec = self
+
+        def call(lc, *args):
+            rec.launches.append((lc.dispatcher, lc.griddim, lc.blockdim, lc.sharedmem, args, rec.phase))
+            return orig(lc, *args)
+
+        self.orig, self.call = orig, call
+
+    def record(self, fn, phases: dict):
+        """Run ``fn()`` with its launches recorded; ``phases`` {(object, method name): phase} tags them."""
+        saved = []
+        for (obj, attr), phase in phases.items():
+            saved.append((obj, attr, obj.__dict__.get(attr)))
+            setattr(obj, attr, self._tagged(getattr(obj, attr), phase))
+        nd._LaunchConfiguration.__call__ = self.call
+        try:
+            fn()
+            cuda.synchronize()
+        finally:
+            nd._LaunchConfiguration.__call__ = self.orig
+            for obj, attr, old in reversed(saved):
+                if old is None:
+                    delattr(obj, attr)
+                else:
+                    setattr(obj, attr, old)
+
+    def _tagged(self, fn, phase):
+        def wrapper(*a, **kw):
+            outer = self.phase
+            if outer == "rest":
+                self.phase = phase
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.phase = outer
+        return wrapper
+
+
+def per_launch(program, phases: dict, reps: int, title: str) -> dict:
+    """Every launch of ``program()`` timed alone in a graph of ``reps`` copies; printed, and their sums by phase."""
+    rec = Recorder()
+    rec.record(program, phases)
+    print(f"== every launch of the {title}, {reps} copies a graph (in-graph us per launch)")
+    rows, by_phase = [], defaultdict(lambda: [0, 0.0])
+    for i, (disp, grid, block, shmem, kargs, phase) in enumerate(rec.launches):
+        def launch(s, disp=disp, grid=grid, block=block, shmem=shmem, kargs=kargs):
+            for _ in range(reps):
+                disp[grid, block, s, shmem](*kargs)
+        us = graph_us(launch, n=20) / reps
+        name = disp.py_func.__name__
+        rows.append({"i": i, "phase": phase, "kernel": name, "grid": list(grid), "block": list(block),
+                     "us": round(us, 2)})
+        by_phase[phase][0] += 1
+        by_phase[phase][1] += us
+        print(f"  {i:3d} {phase:16s} {name:28s} grid {str(tuple(grid)):14s} block {block[0]:4d}  {us:6.2f}")
+    print(f"== {title} by phase (sum of the launches' in-graph times)")
+    for p, (c, u) in by_phase.items():
+        print(f"  {p:16s} {c:3d} launches {u:8.2f} us")
+    print(f"  all              {len(rows):3d} launches {sum(r['us'] for r in rows):8.2f} us")
+    return {"launches": rows, "by_phase": {p: {"launches": c, "us": round(u, 2)} for p, (c, u) in by_phase.items()}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="fixtures/model_code.h5")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=16, help="copies of a launch in its graph")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    fx = read_fixture(args.model)
+    cfg, B = fx.config, fx.drafter.config.block_size
+    target = load_target(cfg, fx.weights, "cuda", args.dtype, max_len=4096, max_tokens=256)
+    drafter = learned_drafter(fx, 4096, target)
+    with open(__file__, "rb") as f:
+        prompt = [b for b in f.read(64)]
+    for budget in (0, args.budget):  # compiles, captures every program, leaves a warm step behind
+        generate(target, prompt, 48, drafter=drafter if budget else None, budget=budget, block_size=B)
+    ops, dm = target.tree_ops, drafter.model
+    step_ar, step = ops.device_step(None), ops.device_step(drafter)
+    D, K = B - 1, min(args.budget, cfg.vocab_size)  # as generate() drafts: block_size - 1 depths, K = budget
+    key = (args.budget, D, K, True)
+    n = min(args.budget, D * K) + 1
+    d_tok, d_logp = ops.draft_buffers(D, K)
+    t, b = ops.tree, target.buf
+    out: dict = {"model": args.model, "budget": args.budget, "reps": args.reps}
+
+    whole = {
+        "AR step": lambda s: step_ar._program((0, 1, 1, False), s),
+        f"learned step (budget {args.budget})": lambda s: step._program(key, s),
+        "target forward M=1": lambda s: target._program(1, s),
+        f"target forward M={n}": lambda s: target._program(n, s),
+        "drafter forward (2B rows)": lambda s: dm.step_program(s),
+        "draft top-k": lambda s: kd.topk_gpu(dm.buf.logits[:D], d_tok, d_logp, stream=s),
+        f"tree build (budget {args.budget})": lambda s: kd.build_tree_gpu(ops.root, d_tok, d_logp, args.budget, b.L,
+                                                                         out=t, stream=s),
+        f"empty kernel x{args.reps}": lambda s: [_noop[1, 32, s]() for _ in range(args.reps)],
+    }
+    out["programs_us"] = {}
+    print(f"== whole programs, one graph each ({args.model}, {args.dtype})")
+    for name, fn in whole.items():
+        us = graph_us(fn)
+        out["programs_us"][name] = round(us, 2)
+        print(f"  {name:34s} {us:8.2f} us")
+    floor = out["programs_us"][f"empty kernel x{args.reps}"] / args.reps
+    print(f"  an empty launch in a graph: {floor:.2f} us")
+
+    phases = {(kd, "topk_gpu"): "draft top-k", (kd, "build_tree_gpu"): "tree build",
+              (target, "_program"): "target forward", (dm, "step_program"): "drafter forward"}
+    for name, program in (("AR step", lambda: step_ar._program((0, 1, 1, False), 0)),
+                          (f"learned step (budget {args.budget})", lambda: step._program(key, 0))):
+        out[name] = per_launch(program, phases, args.reps, name)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
