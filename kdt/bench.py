@@ -256,8 +256,8 @@ def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConf
         log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}")
         if name == "oracle":
             host_runs["DDTree oracle"] = res
-    for name, run in host_runs.items():  # Python's share of a step: launch, uploads, bookkeeping
-        if run.host_s is not None:  # (only the one-program device step measures it apart from the wait)
+    for name, run in host_runs.items():  # the host's share of a step: drafting, launch, uploads, bookkeeping
+        if run.host_s is not None:  # (the decode's wall time less the wait for the GPU: one-program steps only)
             rows.append(Row(f"host work per step, {name}", "host", run.host_s / max(run.steps, 1) * 1e3, "ms/step"))
             log(f"{rows[-1].name}: {rows[-1].value * 1e3:.0f} us")
 

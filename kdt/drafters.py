@@ -54,6 +54,7 @@ class OracleDrafter:
         self.rng = np.random.default_rng(seed)
         self.name = "oracle" if noise == 0 else f"noisy-oracle({noise:g})"
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def _row_logp(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(column order, sorted log-probabilities [k]) of a row: ``p_true`` for the true token, then
@@ -66,20 +67,36 @@ class OracleDrafter:
             row = self._rows[k] = (order, lp[order].astype(np.float32))
         return row
 
+    def _block(self, depth: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(column offsets [depth, k], log-probabilities [depth, k]) of a noiseless draft (cached; read-only):
+        the true token's column offset 0, its distractors 1 + off_d + j for an offset off_d drawn once per
+        depth, columns ordered by :meth:`_row_logp`."""
+        blk = self._blocks.get((depth, k))
+        if blk is None:
+            order, lp = self._row_logp(k)
+            off = self.rng.integers(0, max(self.vocab - k, 1), depth)
+            cols = np.concatenate([np.zeros((depth, 1), np.int64), 1 + off[:, None] + np.arange(k - 1)], axis=1)
+            blk = self._blocks[depth, k] = (cols[:, order], np.broadcast_to(lp, (depth, k)).copy())
+            for a in blk:
+                a.flags.writeable = False
+        return blk
+
     def draft(self, context, depth: int, k: int):
         """Vectorised over depths (a step's drafting costs microseconds of host time, so the bench
         measures the engine, not the oracle): row d holds the true token (a random one past the known
-        sequence) and k-1 distractors, consecutive token ids after a random offset (distinct, never the
-        true token), ordered by :meth:`_row_logp`."""
+        sequence) and k-1 distractors, consecutive token ids after an offset (distinct, never the true
+        token; noiseless: an offset per depth drawn once, :meth:`_block`; noisy: drawn per draft),
+        ordered by :meth:`_row_logp`."""
         n, V = len(context), self.vocab
         k = min(k, V)
         true = self.sequence[n: n + depth]
         if true.shape[0] < depth:
             true = np.concatenate([true, self.rng.integers(0, V, depth - true.shape[0])])
+        if self.noise == 0:  # a few microseconds: one add and one modulo over the cached block
+            cols, logp = self._block(depth, k)
+            return (true[:, None] + cols) % V, logp
         order, lp = self._row_logp(k)
         logp = np.broadcast_to(lp, (depth, k)).copy()
-        if k == 1 and self.noise == 0:
-            return true[:, None].copy(), logp
         # distractors: true + 1 + off + j (mod V), j < k; column k-1 is the spare that "drop" uses
         off = self.rng.integers(0, max(V - k, 1), depth)
         cand = (true[:, None] + 1 + off[:, None] + np.arange(k)) % V

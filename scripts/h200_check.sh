@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -775,7 +775,27 @@ s19c)  # session 19's last call: the final code's ddtree and engine gpu tests be
   grep -h "budget\|chain\| ar " "$OUT/table.log" | cut -c1-200
   grep -h "^  [a-zA-Z]" "$OUT/graphs31.log" | cut -c1-120
   tail -n 3 "$OUT/generate.log" | cut -c1-300 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c"; exit 2 ;;
+s19d)  # session 19, issue 7's tiny oracle chain (6x AR): the AR and oracle-chain steps launch by launch inside a
+  # graph (scripts/profile_graphs.py, the oracle drafted on the host), then the tiny bench (wall clock, host work)
+  step graphs_tiny 200 python3 scripts/profile_graphs.py --model fixtures/model_tiny.h5 --dtype float32 --budget 7 \
+    --json "$OUT/profile-graphs-$day-s19d-tiny-chain.json"
+  step bench_tiny 150 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s19d.json"
+  grep -h "^  [a-zA-Z]" "$OUT/graphs_tiny.log" | cut -c1-120
+  grep -h "decode AR:\|oracle chain:\|host work" "$OUT/bench_tiny.log" ;;
+s19e)  # session 19's last call: the step's record in mapped host memory behind an event, host work counted as the
+  # decode's wall time less the wait, the oracle's draft from a cached block: the ddtree and engine gpu tests beside
+  # kdt verify; the tiny bench (issue 7's oracle chain and host work); issue 8's table; where the host time goes
+  tests_beside_verifies "gpu or kernels" 200 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
+  step bench_tiny 100 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s19e.json"
+  step table 100 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 \
+    --repeats 3 --json "$OUT/drafter-$day-model_code-cuda-s19e.json"
+  step host 60 python3 scripts/profile_step.py
+  grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny.log"
+  grep -h "budget\|chain\| ar " "$OUT/table.log" | cut -c1-200
+  cut -c1-200 "$OUT/host.log" | tail -n 4 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -1,14 +1,16 @@
-"""What each launch of the learned DDTree step costs inside a CUDA graph (run on a GPU; not a test, not a benchmark).
+"""What each launch of a DDTree step costs inside a CUDA graph (run on a GPU; not a test, not a benchmark).
 
     python scripts/profile_graphs.py [--model fixtures/model_code.h5] [--budget 16] [--reps 16] [--json F]
+    python scripts/profile_graphs.py --model fixtures/model_tiny.h5 --dtype float32 --budget 7   # the oracle chain
 
 The engine replays a greedy step from one CUDA graph, where a launch costs its kernel plus the graph's gap
 to the next node; eager profiles (scripts/profile_kernels.py) see neither. This script times:
 
-1. whole programs, each captured alone and replayed: the AR step, the learned step at ``--budget``, the
-   target's forward of 1 and budget + 1 tokens, the drafter's forward, its top-k, the tree build;
-2. every launch of the learned step, each captured ``--reps`` times in a graph of its own: its in-graph
-   time per launch, and their sum by phase (drafter forward, top-k, tree, target forward, rest);
+1. whole programs, each captured alone and replayed: the AR step, the DDTree step at ``--budget`` (the fixture's
+   learned drafter, or an oracle drafter: the greedy continuation, drafted on the host), the target's forward of
+   1 and budget + 1 tokens, the learned drafter's forward and its top-k, the tree build;
+2. every launch of the AR step and of the DDTree step, each captured ``--reps`` times in a graph of its own:
+   its in-graph time per launch, and their sum by phase (drafter forward, top-k, tree, target forward, rest);
 3. an empty kernel ``--reps`` times: the least a launch costs in a graph.
 
 Replays change the state (L grows, caches and buffers are overwritten): the tokens decoded are garbage after
@@ -29,7 +31,7 @@ from numba.cuda import dispatcher as nd
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kdt.drafters import learned_drafter  # noqa: E402
+from kdt.drafters import OracleDrafter, learned_drafter  # noqa: E402
 from kdt.engine import load_target  # noqa: E402
 from kdt.engine.cuda_model import ForwardGraphs  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
@@ -133,41 +135,53 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="fixtures/model_code.h5")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--drafter", default="auto", help="auto (the fixture's learned drafter, else the oracle) | oracle")
+    ap.add_argument("--block-size", type=int, default=8, help="the oracle's block (tree depth + 1)")
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--reps", type=int, default=16, help="copies of a launch in its graph")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     fx = read_fixture(args.model)
-    cfg, B = fx.config, fx.drafter.config.block_size
+    cfg = fx.config
+    learned = fx.drafter is not None and args.drafter != "oracle"
+    B = fx.drafter.config.block_size if learned else args.block_size
     target = load_target(cfg, fx.weights, "cuda", args.dtype, max_len=4096, max_tokens=256)
-    drafter = learned_drafter(fx, 4096, target)
     with open(__file__, "rb") as f:
-        prompt = [b for b in f.read(64)]
+        prompt = [b % cfg.vocab_size for b in f.read(64)]
+    if learned:
+        drafter = learned_drafter(fx, 4096, target)
+    else:  # the oracle: the greedy continuation, drafted on the host into mapped memory
+        cont = generate(target, prompt, 256, budget=0).tokens
+        drafter = OracleDrafter(np.concatenate([prompt, cont]), cfg.vocab_size)
     for budget in (0, args.budget):  # compiles, captures every program, leaves a warm step behind
         generate(target, prompt, 48, drafter=drafter if budget else None, budget=budget, block_size=B)
-    ops, dm = target.tree_ops, drafter.model
+    ops = target.tree_ops
+    dm = drafter.model if learned else None
     step_ar, step = ops.device_step(None), ops.device_step(drafter)
     D, K = B - 1, min(args.budget, cfg.vocab_size)  # as generate() drafts: block_size - 1 depths, K = budget
-    key = (args.budget, D, K, True)
+    key = (args.budget, D, K, learned)
     n = min(args.budget, D * K) + 1
-    d_tok, d_logp = ops.draft_buffers(D, K)
+    d_tok, d_logp = ops.draft_buffers(D, K, mapped=not learned)
     t, b = ops.tree, target.buf
-    out: dict = {"model": args.model, "budget": args.budget, "reps": args.reps}
+    kind = "learned" if learned else "oracle"
+    out: dict = {"model": args.model, "dtype": args.dtype, "drafter": kind, "budget": args.budget,
+                 "block_size": B, "reps": args.reps}
 
     whole = {
         "AR step": lambda s: step_ar._program((0, 1, 1, False), s),
-        f"learned step (budget {args.budget})": lambda s: step._program(key, s),
+        f"{kind} step (budget {args.budget})": lambda s: step._program(key, s),
         "target forward M=1": lambda s: target._program(1, s),
         f"target forward M={n}": lambda s: target._program(n, s),
-        "drafter forward (2B rows)": lambda s: dm.step_program(s),
-        "draft top-k": lambda s: kd.topk_gpu(dm.buf.logits[:D], d_tok, d_logp, stream=s),
-        f"tree build (budget {args.budget})": lambda s: kd.build_tree_gpu(ops.root, d_tok, d_logp, args.budget, b.L,
-                                                                         out=t, stream=s),
-        f"empty kernel x{args.reps}": lambda s: [_noop[1, 32, s]() for _ in range(args.reps)],
     }
+    if learned:
+        whole["drafter forward (2B rows)"] = lambda s: dm.step_program(s)
+        whole["draft top-k"] = lambda s: kd.topk_gpu(dm.buf.logits[:D], d_tok, d_logp, stream=s)
+    whole[f"tree build (budget {args.budget})"] = lambda s: kd.build_tree_gpu(ops.root, d_tok, d_logp, args.budget,
+                                                                             b.L, out=t, stream=s)
+    whole[f"empty kernel x{args.reps}"] = lambda s: [_noop[1, 32, s]() for _ in range(args.reps)]
     out["programs_us"] = {}
-    print(f"== whole programs, one graph each ({args.model}, {args.dtype})")
+    print(f"== whole programs, one graph each ({args.model}, {args.dtype}, {kind} drafter, block {B})")
     for name, fn in whole.items():
         us = graph_us(fn)
         out["programs_us"][name] = round(us, 2)
@@ -176,9 +190,11 @@ def main() -> int:
     print(f"  an empty launch in a graph: {floor:.2f} us")
 
     phases = {(kd, "topk_gpu"): "draft top-k", (kd, "build_tree_gpu"): "tree build",
-              (target, "_program"): "target forward", (dm, "step_program"): "drafter forward"}
+              (target, "_program"): "target forward"}
+    if learned:
+        phases[dm, "step_program"] = "drafter forward"
     for name, program in (("AR step", lambda: step_ar._program((0, 1, 1, False), 0)),
-                          (f"learned step (budget {args.budget})", lambda: step._program(key, 0))):
+                          (f"{kind} step (budget {args.budget})", lambda: step._program(key, 0))):
         out[name] = per_launch(program, phases, args.reps, name)
     if args.json:
         with open(args.json, "w") as f:

@@ -2,8 +2,8 @@
 
     python scripts/profile_step.py [fixtures/model_tiny.h5]
 
-Wraps the pieces of ``StepGraph.step`` (draft upload, graph launch, the copy back that waits for the
-GPU) and the drafter's ``draft`` with timers and prints microseconds per step for AR, the oracle at
+Wraps the pieces of ``StepGraph.step`` (draft upload, graph launch, the event behind it and the wait for
+the GPU) and the drafter's ``draft`` with timers and prints microseconds per step for AR, the oracle at
 budget 64 and the oracle chain.
 """
 
@@ -28,16 +28,21 @@ def timed(acc, name, fn):
     return wrapper
 
 
-class TimedCopy:
-    """The step's record array, its copy back (which waits for the GPU) timed."""
+class TimedEvent:
+    """The step's event behind its program: the record call and the wait (synchronize) timed."""
 
-    def __init__(self, array, acc):
-        self.array, self.acc = array, acc
+    def __init__(self, event, acc):
+        self.event, self.acc = event, acc
 
-    def copy_to_host(self, out):
+    def record(self):
         t0 = time.perf_counter()
-        self.array.copy_to_host(out)
-        self.acc["copy back (wait)"] += time.perf_counter() - t0
+        self.event.record()
+        self.acc["event record"] += time.perf_counter() - t0
+
+    def synchronize(self):
+        t0 = time.perf_counter()
+        self.event.synchronize()
+        self.acc["wait for the GPU"] += time.perf_counter() - t0
 
 
 def main(path="fixtures/model_tiny.h5"):
@@ -54,16 +59,16 @@ def main(path="fixtures/model_tiny.h5"):
         step = target.tree_ops.device_step(d)
         acc = defaultdict(float)
         ops = target.tree_ops
-        saved = ops.upload_draft, step.graphs.run, step.record
+        saved = ops.upload_draft, step.graphs.run, step.done
         ops.upload_draft = timed(acc, "upload draft", ops.upload_draft)
         step.graphs.run = timed(acc, "graph launch", step.graphs.run)
-        step.record = TimedCopy(step.record, acc)
+        step.done = TimedEvent(step.done, acc)
         if d is not None:
             d.draft = timed(acc, "drafter.draft (host)", d.draft)
         t0 = time.perf_counter()
         res = generate(target, prompt, 64, drafter=d, budget=budget, block_size=8)
         wall = time.perf_counter() - t0
-        ops.upload_draft, step.graphs.run, step.record = saved
+        ops.upload_draft, step.graphs.run, step.done = saved
         n = res.steps
         parts = ", ".join(f"{k} {v / n * 1e6:.0f}" for k, v in acc.items())
         print(f"{name}: {n} steps, {wall / n * 1e6:.0f} us/step wall, host_s {res.host_s / n * 1e6:.0f} us; {parts}")

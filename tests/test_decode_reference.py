@@ -46,6 +46,30 @@ def test_oracle_accepts_the_whole_block(rng):
     assert res.accept_lengths == [block] * 4 and res.steps == 4
 
 
+@pytest.mark.parametrize("noise", [0.0, 0.5])
+@pytest.mark.parametrize("k", [1, 2, 7, 96])
+def test_oracle_draft_rows(noise, k, rng):
+    """Each row: k distinct tokens, log-probabilities descending, the true token (when not noised away) in
+    the top column; a noiseless draft puts it there on every row, with any context length (past the known
+    sequence too) and call after call (its cached block is never handed out writable)."""
+    seq = rng.integers(0, CFG.vocab_size, 40)
+    d = OracleDrafter(seq, CFG.vocab_size, noise=noise, seed=3)
+    hits = []
+    for n in (1, 9, 17, 25, 33, 40, 45):
+        toks, logp = d.draft(seq[:n], 7, k)
+        assert toks.shape == logp.shape == (7, k) and toks.dtype == np.int64 and logp.dtype == np.float32
+        assert ((0 <= toks) & (toks < CFG.vocab_size)).all()
+        assert all(len(set(r.tolist())) == k for r in toks)
+        assert (np.diff(logp, axis=1) <= 0).all()
+        true = seq[n: n + 7]
+        hits += (toks[: true.shape[0], 0] == true).tolist()
+        toks[:] = -1  # the caller may write the tokens it got; the next draft is unaffected
+        if noise == 0:
+            with pytest.raises(ValueError):
+                logp[0, 0] = 0.0
+    assert all(hits) if noise == 0 else 0.2 < np.mean(hits) < 0.95
+
+
 def test_noisy_oracle_accepts_partially(rng):
     prompt = rng.integers(0, CFG.vocab_size, 5)
     ar = ar_generate(model(), prompt, 40)

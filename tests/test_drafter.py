@@ -216,7 +216,7 @@ def test_train_drafter_cli_smoke(tmp_path):
     assert "acceptance" in r.stderr and "learned" in r.stderr
     fx = read_fixture(out)
     assert fx.drafter.config.block_size == 4 and fx.drafter.meta["steps"] == 2
-    assert len(fx.drafter.meta["acceptance"]) == 6  # ar, chain, 3 budgets, suffix
+    assert len(fx.drafter.meta["acceptance"]) == 7  # ar, chain, 4 budgets (16, 31, 64, 256), suffix
     r = run_kdt("generate", "--model", out, "--prompt", "def ", "-n", "8", "--backend", "cpu", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)

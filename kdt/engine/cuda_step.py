@@ -12,8 +12,8 @@ Two ways to run a step, same results:
   The drafter runs once per step: the previous step's context rows and this step's block in one forward
   of 2B rows (the first step's rows are staged by ``start``). The host
   writes a host drafter's draft into host memory mapped into the device (no copy call) before the
-  launch and copies one record back after it: ``[1 + a, the committed tokens]``, the step's only
-  synchronisation.
+  launch; after it, the host waits on an event behind the program (the step's only synchronisation)
+  and reads one record that the program wrote into mapped host memory: ``[1 + a, the committed tokens]``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from numba import cuda
 from kdt.engine.cuda_model import CudaDraftModel, CudaModel, DeviceLogits, ForwardGraphs
 from kdt.kernels import ddtree as kd
 from kdt.kernels import elementwise as ew
-from kdt.kernels.common import cdiv
+from kdt.kernels.common import IS_SIM, cdiv
 from kdt.reference.decode import TreeOps
 
 
@@ -168,10 +168,12 @@ class StepGraph:
         self.ops, self.model, self.draft_model = ops, ops.model, draft_model
         self.drafter = None
         n = ops.nmax
-        self.record = cuda.device_array(1 + n, np.int64)  # [1 + a, committed tokens]
-        self.record_host = cuda.pinned_array(1 + n, np.int64)
+        # [1 + a, committed tokens]: host memory mapped into the device, written by step_commit over the bus
+        # (no copy call); read after the event that follows the step's launch
+        self.record = cuda.mapped_array(1 + n, np.int64)
+        self.done = cuda.event() if IS_SIM else cuda.event(timing=False)
         self.graphs = ForwardGraphs(self._program) if self.model.graphs is not None else None
-        self.host_s = 0.0  # host time of the steps (launch, uploads, bookkeeping), the wait excluded
+        self.wait_s = 0.0  # time the host waited for the steps' programs (on the event behind each)
 
     @property
     def drafts_on_device(self) -> bool:
@@ -191,7 +193,6 @@ class StepGraph:
     def step(self, budget: int, D: int, K: int, draft=None) -> list[int]:
         """One step with ``budget`` nodes (0: autoregressive), depth D, K candidates per depth; ``draft``
         = (tokens [D, K], logp [D, K]) from a host drafter, None when the program drafts (or budget 0)."""
-        t0 = time.perf_counter()
         if budget > 0:
             self.ops.check_budget(budget)
             if draft is None and self.draft_model is None:
@@ -209,13 +210,13 @@ class StepGraph:
             self._program(key)
         else:
             self.graphs.run(key)
+        self.done.record()  # on stream 0, behind the step
         t1 = time.perf_counter()
-        self.record.copy_to_host(self.record_host)  # waits for the step: its only synchronisation
-        t2 = time.perf_counter()
-        n = int(self.record_host[0])
-        tokens = self.record_host[1: 1 + n].tolist()
+        self.done.synchronize()  # waits for the step: its only synchronisation
+        self.wait_s += time.perf_counter() - t1
+        n = int(self.record[0])
+        tokens = self.record[1: 1 + n].tolist()
         self.model.buf.vis_host = None
-        self.host_s += (t1 - t0) + (time.perf_counter() - t2)
         return tokens
 
     def finish(self, L: int) -> None:

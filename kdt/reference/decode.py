@@ -91,7 +91,7 @@ class GenResult:
     finish_reason: str = "length"  # length | stop | context
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    host_s: float | None = None  # host time of device-program steps (the wait for the GPU excluded)
+    host_s: float | None = None  # device-program steps: decode_s less the wait for the GPU (drafting included)
 
     @property
     def avg_accept(self) -> float:
@@ -151,6 +151,9 @@ def generate(
     rng = np.random.default_rng(seed)
     stops = set(int(t) for t in stop_tokens)
     res = GenResult(tokens=[], logits=[] if keep_logits else None)
+    # prompt + generated tokens, grown in place: a host drafter's context is a view of its first P + len(tokens)
+    seq = np.empty(P + max(max_new, 0), np.int64)
+    seq[:P] = prompt
 
     def emit(tokens: list[int], rows: np.ndarray | None) -> bool:
         """Append up to max_new tokens, stopping after a stop token; True when generation is over."""
@@ -160,6 +163,8 @@ def generate(
             if t in stops:
                 out, res.finish_reason = out[: j + 1], "stop"
                 break
+        n = P + len(res.tokens)
+        seq[n: n + len(out)] = out
         res.tokens.extend(out)
         if keep_logits:
             res.logits.extend(np.asarray(rows[: len(out)], dtype=np.float32))
@@ -177,7 +182,7 @@ def generate(
         fused = ops.device_step(drafter if budget > 0 else None)
     if fused is not None:
         fused.start(L, root)
-        res.host_s, host0 = 0.0, fused.host_s
+        wait0 = fused.wait_s
     t0 = time.perf_counter()
     done = max_new <= 0 or emit([root], last[None, :])
     while not done:
@@ -189,7 +194,7 @@ def generate(
         if fused is not None:  # the whole step on the device; back come the committed tokens
             draft = None
             if step_budget > 0 and not fused.drafts_on_device:
-                context = np.concatenate([prompt, np.asarray(res.tokens, dtype=np.int64)])
+                context = seq[: P + len(res.tokens)]
                 draft = drafter.draft(context, depth, min(step_budget, target.cfg.vocab_size))
             out = fused.step(step_budget, depth, min(step_budget, target.cfg.vocab_size), draft)
             L += len(out)
@@ -198,7 +203,7 @@ def generate(
             done = emit(out, None)
             continue
         if step_budget > 0:
-            context = np.concatenate([prompt, np.asarray(res.tokens, dtype=np.int64)])
+            context = seq[: P + len(res.tokens)]
             k = min(step_budget, target.cfg.vocab_size)
             draft_tokens, draft_logp = drafter.draft(context, depth, k)
             tree = ops.build(root, draft_tokens, draft_logp, step_budget, L)
@@ -219,8 +224,8 @@ def generate(
         root = int(bonus)
         done = emit([int(t) for t in choice[accepted]], np.asarray(logits)[accepted] if keep_logits else None)
     res.decode_s = time.perf_counter() - t0
-    if fused is not None:
-        res.host_s = fused.host_s - host0
+    if fused is not None:  # everything but the GPU's own time: drafting, launches, copies, bookkeeping
+        res.host_s = res.decode_s - (fused.wait_s - wait0)
         fused.finish(L)
     return res
 
