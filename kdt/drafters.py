@@ -16,6 +16,7 @@ the full vocabulary (each row's probabilities sum to at most 1).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -24,22 +25,36 @@ import numpy as np
 FLOOR_LOGP = -30.0  # log-probability of padding candidates (effectively never chosen first)
 
 
+def _distractors(taken: np.ndarray, n: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
+    """n distinct random tokens of [0, vocab), none in ``taken`` (n + len(taken) <= vocab). A small vocabulary
+    is permuted; a large one sampled with replacement and deduplicated (microseconds for a 160k vocabulary,
+    where a permutation costs ~1 ms)."""
+    need = n + len(taken)
+    if vocab <= 4 * need or vocab <= 4096:
+        pool = rng.permutation(vocab)
+        return pool[~np.isin(pool, taken)][:n]
+    while True:  # a collision-free draw of 2 * need is all but certain when vocab > 4 * need
+        draw = rng.integers(0, vocab, 2 * need)
+        _, first = np.unique(draw, return_index=True)
+        pool = draw[np.sort(first)]
+        pool = pool[~np.isin(pool, taken)]
+        if pool.shape[0] >= n:
+            return pool[:n]
+
+
 def _fill_row(first: Sequence[int], probs: Sequence[float], k: int, vocab: int, rng: np.random.Generator,
               rest_mass: float) -> tuple[np.ndarray, np.ndarray]:
     """A row of k distinct tokens: ``first`` with ``probs``, then random distractors sharing
-    ``rest_mass`` with geometrically decreasing probability."""
-    toks = [int(t) for t in first][:k]
-    lp = [float(np.log(max(p, 1e-300))) for p in probs][: len(toks)]
-    taken = set(toks)
-    n_extra = k - len(toks)
+    ``rest_mass`` with geometrically decreasing probability; sorted by descending log-probability."""
+    toks = np.asarray(first, dtype=np.int64)[:k]
+    lp = np.log(np.maximum(np.asarray(probs, dtype=np.float64)[: toks.shape[0]], 1e-300))
+    n_extra = k - toks.shape[0]
     if n_extra > 0:
-        pool = rng.choice(vocab, size=min(vocab, n_extra + len(taken)), replace=False)
-        extra = [int(t) for t in pool if int(t) not in taken][:n_extra]
         w = 0.5 ** np.arange(1, n_extra + 1)
-        lp += list(np.log(rest_mass * w / w.sum()))
-        toks += extra
-    order = np.argsort(-np.asarray(lp), kind="stable")
-    return np.asarray(toks, dtype=np.int64)[order], np.asarray(lp, dtype=np.float32)[order]
+        toks = np.concatenate([toks, _distractors(toks, n_extra, vocab, rng)])
+        lp = np.concatenate([lp, np.log(rest_mass * w / w.sum())])
+    order = np.argsort(-lp, kind="stable")
+    return toks[order], lp[order].astype(np.float32)
 
 
 class OracleDrafter:
@@ -137,34 +152,79 @@ class SuffixDrafter:
         self.vocab, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
         self.rng = np.random.default_rng(seed)
 
-    def _occurrences(self, ctx: np.ndarray) -> list[int]:
-        """End indices (exclusive) of earlier occurrences of the longest matching suffix."""
-        n = len(ctx)
-        for m in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
-            suffix = ctx[n - m:]
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[: n - 1], m)
-            hits = np.nonzero((windows == suffix).all(axis=1))[0]
-            if hits.size:
-                return [int(h) + m for h in hits[::-1]]  # most recent first
-        return []
+    def _occurrences(self, ctx: np.ndarray) -> np.ndarray:
+        """End indices (exclusive) of the earlier occurrences of the longest suffix of ``ctx`` (min_ngram to
+        max_ngram tokens) that occurred before, most recent first (empty: none). The ends of a one-token
+        match, narrowed one token back at a time: O(len(ctx)) once, then O(matches) per length."""
+        n = ctx.shape[0]
+        best = np.empty(0, np.int64)
+        if n < 2:
+            return best
+        ends = np.flatnonzero(ctx[: n - 1] == ctx[n - 1]) + 1  # ctx[e - 1] == ctx[n - 1], e <= n - 1
+        for m in range(1, min(self.max_ngram, n - 1) + 1):
+            if m > 1:
+                ends = ends[ends >= m]
+                ends = ends[ctx[ends - m] == ctx[n - m]]
+            if ends.shape[0] == 0:
+                break
+            if m >= self.min_ngram:
+                best = ends
+        return best[::-1]
 
     def draft(self, context, depth: int, k: int):
+        """Vectorised over depths (tens of microseconds a draft: it is host work of every DDTree step)."""
         ctx = np.asarray(context, dtype=np.int64)
+        n, V = ctx.shape[0], self.vocab
+        k = min(k, V)
         ends = self._occurrences(ctx)
-        toks = np.empty((depth, k), np.int64)
-        logp = np.empty((depth, k), np.float32)
-        for d in range(depth):
-            follow = [int(ctx[e + d]) for e in ends if e + d < len(ctx)]
-            counts = Counter(follow)
-            if follow:  # most recent occurrence first, then by frequency
-                cands = [follow[0]] + [t for t, _ in counts.most_common() if t != follow[0]]
+        toks = np.zeros((depth, k), np.int64)
+        lp = np.zeros((depth, k), np.float64)
+        ncand = np.zeros(depth, np.int64)
+        if ends.shape[0]:
+            idx = ends[:, None] + np.arange(depth)  # [occurrences, depth]: what followed each, d tokens on
+            follow_all = ctx[np.minimum(idx, n - 1)].T.tolist()
+            past = (idx >= n).sum(axis=0).tolist()  # ends run down: the first past[d] run past the context
+            for d in range(depth):
+                follow = follow_all[d][past[d]:]  # most recent occurrence first
+                if not follow:
+                    break  # fewer ends reach d tokens on as d grows: every later depth is empty too
+                counts = Counter(follow)  # ties of most_common: in order of first appearance
+                cands = ([follow[0]] + [t for t, _ in counts.most_common() if t != follow[0]])[:k]
                 total = len(follow) + 1.0
-                probs = [0.8 * (counts[t] + (1 if t == follow[0] else 0)) / total for t in cands]
-                row = _fill_row(cands, probs, k, self.vocab, self.rng, 1e-6)
-            else:
-                row = _fill_row([], [], k, self.vocab, self.rng, 1e-6)
-            toks[d], logp[d] = row
-        return toks, logp
+                c = ncand[d] = len(cands)
+                toks[d, :c] = cands
+                lp[d, :c] = [math.log(0.8 * (counts[t] + (t == follow[0])) / total) for t in cands]
+        # columns ncand[d]..k-1: distinct random distractors sharing 1e-6 geometrically (as _fill_row)
+        col = np.arange(k)
+        extra = col[None, :] - ncand[:, None]  # index among the row's distractors (< 0: a candidate)
+        fill = extra >= 0
+        n_extra = (k - ncand)[:, None]
+        rest = math.log(1e-6) - (extra + 1) * math.log(2.0) - np.log1p(-(0.5 ** np.maximum(n_extra, 1)))
+        lp = np.where(fill, rest, lp)
+        toks = np.where(fill, self._distractor_matrix(toks, ncand, k), toks)
+        rows = np.arange(depth)[:, None]
+        order = np.argsort(-lp, axis=1, kind="stable")
+        return toks[rows, order], lp[rows, order].astype(np.float32)
+
+    def _distractor_matrix(self, toks: np.ndarray, ncand: np.ndarray, k: int) -> np.ndarray:
+        """[depth, k]: row d's columns ncand[d].. hold distinct tokens that are not among its candidates
+        toks[d, :ncand[d]] (the other columns are don't-care)."""
+        D, V = toks.shape[0], self.vocab
+        col, rows = np.arange(k), np.arange(D)[:, None]
+        cand = col[None, :] < ncand[:, None]
+        if V <= 4096 or V <= 4 * k:  # a permutation per row, the row's candidates moved out of the way
+            perm = self.rng.permuted(np.broadcast_to(np.arange(V), (D, V)), axis=1)
+            taken = np.zeros((D, V), bool)
+            taken[np.nonzero(cand)[0], toks[cand]] = True
+            pool = perm[rows, np.argsort(taken[rows, perm], axis=1, kind="stable")[:, :k]]  # free tokens first
+            return pool[rows, np.maximum(col[None, :] - ncand[:, None], 0)]
+        out = self.rng.integers(0, V, (D, k))  # a large vocabulary: collisions are rare; rows with one redrawn
+        full = np.where(cand, toks, out)
+        srt = np.sort(full, axis=1)
+        for d in np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0]:
+            c = int(ncand[d])
+            out[d, c:] = _distractors(toks[d, :c], k - c, V, self.rng)
+        return out
 
 
 class LearnedDrafter:

@@ -70,6 +70,72 @@ def test_oracle_draft_rows(noise, k, rng):
     assert all(hits) if noise == 0 else 0.2 < np.mean(hits) < 0.95
 
 
+def _suffix_reference(ctx, depth, k, max_ngram=8):
+    """The suffix drafter's candidates by its definition (the implementation before session 19, O(n * m) a
+    length): per depth, the first k of [most recent, then by frequency] as [(token, log-probability)] in
+    the drafter's order (by log-probability)."""
+    from collections import Counter
+
+    n, ends = len(ctx), []
+    for m in range(min(max_ngram, n - 1), 0, -1):
+        win = np.lib.stride_tricks.sliding_window_view(ctx[: n - 1], m)
+        hits = np.nonzero((win == ctx[n - m:]).all(axis=1))[0]
+        if hits.size:
+            ends = [int(h) + m for h in hits[::-1]]
+            break
+    rows = []
+    for d in range(depth):
+        follow = [int(ctx[e + d]) for e in ends if e + d < n]
+        counts = Counter(follow)
+        cands = ([follow[0]] + [t for t, _ in counts.most_common() if t != follow[0]])[:k] if follow else []
+        lp = [np.log(0.8 * (counts[t] + (t == follow[0])) / (len(follow) + 1.0)) for t in cands]
+        order = np.argsort(-np.asarray(lp), kind="stable")
+        rows.append([(cands[i], lp[i]) for i in order])
+    return rows
+
+
+@pytest.mark.parametrize("V", [7, 96, 5000, 163840])
+def test_suffix_drafter_rows(V, rng):
+    """Candidates equal the definition's (what followed the longest earlier suffix match, most recent
+    first, then by frequency), in the definition's order; the rest of each row distinct random
+    distractors below them; for every vocabulary path (permuted rows; sampled rows with a redraw)."""
+    d = SuffixDrafter(V, seed=1)
+    for _ in range(6):
+        ctx = rng.integers(0, min(V, int(rng.choice([3, 6, 40]))), int(rng.integers(1, 120)))
+        depth, k = int(rng.integers(1, 9)), min(V, int(rng.choice([1, 4, 31])))
+        toks, logp = d.draft(ctx, depth, k)
+        assert toks.shape == logp.shape == (depth, k) and logp.dtype == np.float32
+        for row_t, row_lp, ref in zip(toks, logp, _suffix_reference(ctx, depth, k), strict=True):
+            assert len(set(row_t.tolist())) == k and ((0 <= row_t) & (row_t < V)).all()
+            assert (np.diff(row_lp) <= 0).all() and np.exp(row_lp.astype(np.float64)).sum() <= 1.0 + 1e-5
+            c = min(len(ref), k)
+            assert row_t[:c].tolist() == [t for t, _ in ref[:c]]
+            assert row_lp[:c] == pytest.approx([x for _, x in ref[:c]], rel=1e-6)
+            assert (row_lp[c:] < np.log(1e-6) + 1e-3).all()
+
+
+def test_suffix_drafter_redraws_colliding_rows():
+    """A large vocabulary's distractors are sampled with replacement; a row that drew a collision (here:
+    every first draw is token 0, a candidate) is drawn again without one."""
+
+    class ZerosFirst:
+        def __init__(self):
+            self.rng, self.first = np.random.default_rng(0), True
+
+        def integers(self, lo, hi, size):
+            if self.first:
+                self.first = False
+                return np.zeros(size, np.int64)
+            return self.rng.integers(lo, hi, size)
+
+    d = SuffixDrafter(163840)
+    d.rng = ZerosFirst()
+    ctx = np.array([0, 5, 0, 5, 0])
+    toks, logp = d.draft(ctx, 3, 31)
+    assert toks[0, 0] == 5 and toks[1, 0] == 0  # 0 5 | 0 5 0 -> then 5, then 0
+    assert all(len(set(r.tolist())) == 31 for r in toks)
+
+
 def test_noisy_oracle_accepts_partially(rng):
     prompt = rng.integers(0, CFG.vocab_size, 5)
     ar = ar_generate(model(), prompt, 40)
