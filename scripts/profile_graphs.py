@@ -41,7 +41,7 @@ from kdt.reference.decode import generate  # noqa: E402
 
 @cuda.jit
 def _noop():
-    pass
+    """Nothing: the least a launch costs in a graph."""
 
 
 def graph_us(launch, n: int = 50) -> float:
@@ -63,7 +63,8 @@ def graph_us(launch, n: int = 50) -> float:
 
 
 class Recorder:
-    """While ``on``, every kernel launch is recorded (dispatcher, grid, block, shared memory, args, phase) and run."""
+    """During :meth:`record`, every kernel launch is recorded (dispatcher, grid, block, shared memory, args, phase)
+    and run."""
 
     def __init__(self):
         self.launches: list[tuple] = []
