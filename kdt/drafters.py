@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-FLOOR_LOGP = -30.0  # log-probability of padding candidates (effectively never chosen first)
+_PERMUTE_MAX_V = 4096  # distractors of a vocabulary up to this (or up to 4x the tokens needed): a permutation
 
 
 def _distractors(taken: np.ndarray, n: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
@@ -30,7 +30,7 @@ def _distractors(taken: np.ndarray, n: int, vocab: int, rng: np.random.Generator
     is permuted; a large one sampled with replacement and deduplicated (microseconds for a 160k vocabulary,
     where a permutation costs ~1 ms)."""
     need = n + len(taken)
-    if vocab <= 4 * need or vocab <= 4096:
+    if vocab <= max(_PERMUTE_MAX_V, 4 * need):
         pool = rng.permutation(vocab)
         return pool[~np.isin(pool, taken)][:n]
     while True:  # a collision-free draw of 2 * need is all but certain when vocab > 4 * need
@@ -42,19 +42,43 @@ def _distractors(taken: np.ndarray, n: int, vocab: int, rng: np.random.Generator
             return pool[:n]
 
 
-def _fill_row(first: Sequence[int], probs: Sequence[float], k: int, vocab: int, rng: np.random.Generator,
+def _distractor_rows(toks: np.ndarray, ncand: np.ndarray, vocab: int, rng: np.random.Generator) -> np.ndarray:
+    """[depth, k]: row d's columns ncand[d].. hold distinct random tokens that are not among its candidates
+    toks[d, :ncand[d]] (the other columns are don't-care). All rows at once: a permutation per row for a small
+    vocabulary; for a large one sampled rows, a row that drew a collision drawn again (:func:`_distractors`)."""
+    (D, k), V = toks.shape, vocab
+    col, rows = np.arange(k), np.arange(D)[:, None]
+    cand = col[None, :] < ncand[:, None]
+    if V <= max(_PERMUTE_MAX_V, 4 * k):  # a permutation per row, the row's candidates moved out of the way
+        perm = rng.permuted(np.broadcast_to(np.arange(V), (D, V)), axis=1)
+        taken = np.zeros((D, V), bool)
+        taken[np.nonzero(cand)[0], toks[cand]] = True
+        pool = perm[rows, np.argsort(taken[rows, perm], axis=1, kind="stable")[:, :k]]  # free tokens first
+        return pool[rows, np.maximum(col[None, :] - ncand[:, None], 0)]
+    out = rng.integers(0, V, (D, k))  # collisions are rare
+    srt = np.sort(np.where(cand, toks, out), axis=1)
+    for d in np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0]:
+        c = int(ncand[d])
+        out[d, c:] = _distractors(toks[d, :c], k - c, V, rng)
+    return out
+
+
+def _pad_rows(toks: np.ndarray, lp: np.ndarray, ncand: np.ndarray, vocab: int, rng: np.random.Generator,
               rest_mass: float) -> tuple[np.ndarray, np.ndarray]:
-    """A row of k distinct tokens: ``first`` with ``probs``, then random distractors sharing
-    ``rest_mass`` with geometrically decreasing probability; sorted by descending log-probability."""
-    toks = np.asarray(first, dtype=np.int64)[:k]
-    lp = np.log(np.maximum(np.asarray(probs, dtype=np.float64)[: toks.shape[0]], 1e-300))
-    n_extra = k - toks.shape[0]
-    if n_extra > 0:
-        w = 0.5 ** np.arange(1, n_extra + 1)
-        toks = np.concatenate([toks, _distractors(toks, n_extra, vocab, rng)])
-        lp = np.concatenate([lp, np.log(rest_mass * w / w.sum())])
-    order = np.argsort(-lp, kind="stable")
-    return toks[order], lp[order].astype(np.float32)
+    """Rows [depth, k] of k distinct tokens: row d's ncand[d] candidates toks[d, :ncand[d]] with log-probabilities
+    lp[d, :ncand[d]], then random distractors sharing ``rest_mass`` with geometrically decreasing probability
+    (the i-th of e: rest_mass * 2^-(i+1) / (1 - 2^-e)); each row sorted by descending log-probability (stable).
+    Returns (tokens int64, log-probabilities float32)."""
+    depth, k = toks.shape
+    extra = np.arange(k)[None, :] - ncand[:, None]  # index among the row's distractors (< 0: a candidate)
+    fill = extra >= 0
+    n_extra = np.maximum(k - ncand, 1)[:, None]
+    rest = math.log(rest_mass) - (extra + 1) * math.log(2.0) - np.log1p(-(0.5 ** n_extra))
+    lp = np.where(fill, rest, lp)
+    toks = np.where(fill, _distractor_rows(toks, ncand, vocab, rng), toks)
+    rows = np.arange(depth)[:, None]
+    order = np.argsort(-lp, axis=1, kind="stable")
+    return toks[rows, order], lp[rows, order].astype(np.float32)
 
 
 class OracleDrafter:
@@ -137,8 +161,9 @@ class UselessDrafter:
         self.rng = np.random.default_rng(seed)
 
     def draft(self, context, depth: int, k: int):
-        rows = [_fill_row([], [], k, self.vocab, self.rng, 1.0) for _ in range(depth)]
-        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+        k = min(k, self.vocab)
+        none = np.zeros(depth, np.int64)
+        return _pad_rows(np.zeros((depth, k), np.int64), np.zeros((depth, k)), none, self.vocab, self.rng, 1.0)
 
 
 class SuffixDrafter:
@@ -194,37 +219,7 @@ class SuffixDrafter:
                 c = ncand[d] = len(cands)
                 toks[d, :c] = cands
                 lp[d, :c] = [math.log(0.8 * (counts[t] + (t == follow[0])) / total) for t in cands]
-        # columns ncand[d]..k-1: distinct random distractors sharing 1e-6 geometrically (as _fill_row)
-        col = np.arange(k)
-        extra = col[None, :] - ncand[:, None]  # index among the row's distractors (< 0: a candidate)
-        fill = extra >= 0
-        n_extra = (k - ncand)[:, None]
-        rest = math.log(1e-6) - (extra + 1) * math.log(2.0) - np.log1p(-(0.5 ** np.maximum(n_extra, 1)))
-        lp = np.where(fill, rest, lp)
-        toks = np.where(fill, self._distractor_matrix(toks, ncand, k), toks)
-        rows = np.arange(depth)[:, None]
-        order = np.argsort(-lp, axis=1, kind="stable")
-        return toks[rows, order], lp[rows, order].astype(np.float32)
-
-    def _distractor_matrix(self, toks: np.ndarray, ncand: np.ndarray, k: int) -> np.ndarray:
-        """[depth, k]: row d's columns ncand[d].. hold distinct tokens that are not among its candidates
-        toks[d, :ncand[d]] (the other columns are don't-care)."""
-        D, V = toks.shape[0], self.vocab
-        col, rows = np.arange(k), np.arange(D)[:, None]
-        cand = col[None, :] < ncand[:, None]
-        if V <= 4096 or V <= 4 * k:  # a permutation per row, the row's candidates moved out of the way
-            perm = self.rng.permuted(np.broadcast_to(np.arange(V), (D, V)), axis=1)
-            taken = np.zeros((D, V), bool)
-            taken[np.nonzero(cand)[0], toks[cand]] = True
-            pool = perm[rows, np.argsort(taken[rows, perm], axis=1, kind="stable")[:, :k]]  # free tokens first
-            return pool[rows, np.maximum(col[None, :] - ncand[:, None], 0)]
-        out = self.rng.integers(0, V, (D, k))  # a large vocabulary: collisions are rare; rows with one redrawn
-        full = np.where(cand, toks, out)
-        srt = np.sort(full, axis=1)
-        for d in np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0]:
-            c = int(ncand[d])
-            out[d, c:] = _distractors(toks[d, :c], k - c, V, self.rng)
-        return out
+        return _pad_rows(toks, lp, ncand, V, self.rng, 1e-6)  # the rest: distractors sharing 1e-6
 
 
 class LearnedDrafter:

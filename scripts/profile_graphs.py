@@ -31,17 +31,14 @@ from numba.cuda import dispatcher as nd
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from profile_kernels import PhaseTags, _noop  # noqa: E402  (scripts/, this script's folder, is on sys.path)
+
 from kdt.drafters import OracleDrafter, learned_drafter  # noqa: E402
 from kdt.engine import load_target  # noqa: E402
 from kdt.engine.cuda_model import ForwardGraphs  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
 from kdt.kernels import ddtree as kd  # noqa: E402
 from kdt.reference.decode import generate  # noqa: E402
-
-
-@cuda.jit
-def _noop():
-    """Nothing: the least a launch costs in a graph."""
 
 
 def graph_us(launch, n: int = 50) -> float:
@@ -64,54 +61,34 @@ def graph_us(launch, n: int = 50) -> float:
 
 class Recorder:
     """During :meth:`record`, every kernel launch is recorded (dispatcher, grid, block, shared memory, args, phase)
-    and run."""
+    and run; the phase comes from profile_kernels.PhaseTags (the step phase the launch belongs to)."""
 
     def __init__(self):
         self.launches: list[tuple] = []
         self.phase = "rest"
+
+    def record(self, fn, target, drafter) -> None:
+        """Run ``fn()`` with its launches recorded, tagged by the phases of ``target`` and ``drafter``."""
         orig = nd._LaunchConfiguration.__call__
-        rec = self
 
         def call(lc, *args):
-            rec.launches.append((lc.dispatcher, lc.griddim, lc.blockdim, lc.sharedmem, args, rec.phase))
+            self.launches.append((lc.dispatcher, lc.griddim, lc.blockdim, lc.sharedmem, args, self.phase))
             return orig(lc, *args)
 
-        self.orig, self.call = orig, call
-
-    def record(self, fn, phases: dict):
-        """Run ``fn()`` with its launches recorded; ``phases`` {(object, method name): phase} tags them."""
-        saved = []
-        for (obj, attr), phase in phases.items():
-            saved.append((obj, attr, obj.__dict__.get(attr)))
-            setattr(obj, attr, self._tagged(getattr(obj, attr), phase))
-        nd._LaunchConfiguration.__call__ = self.call
+        tags = PhaseTags(self, target, drafter)
+        nd._LaunchConfiguration.__call__ = call
         try:
             fn()
             cuda.synchronize()
         finally:
-            nd._LaunchConfiguration.__call__ = self.orig
-            for obj, attr, old in reversed(saved):
-                if old is None:
-                    delattr(obj, attr)
-                else:
-                    setattr(obj, attr, old)
-
-    def _tagged(self, fn, phase):
-        def wrapper(*a, **kw):
-            outer = self.phase
-            if outer == "rest":
-                self.phase = phase
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.phase = outer
-        return wrapper
+            nd._LaunchConfiguration.__call__ = orig
+            tags.remove()
 
 
-def per_launch(program, phases: dict, reps: int, title: str) -> dict:
+def per_launch(program, target, drafter, reps: int, title: str) -> dict:
     """Every launch of ``program()`` timed alone in a graph of ``reps`` copies; printed, and their sums by phase."""
     rec = Recorder()
-    rec.record(program, phases)
+    rec.record(program, target, drafter)
     print(f"== every launch of the {title}, {reps} copies a graph (in-graph us per launch)")
     rows, by_phase = [], defaultdict(lambda: [0, 0.0])
     for i, (disp, grid, block, shmem, kargs, phase) in enumerate(rec.launches):
@@ -190,13 +167,9 @@ def main() -> int:
     floor = out["programs_us"][f"empty kernel x{args.reps}"] / args.reps
     print(f"  an empty launch in a graph: {floor:.2f} us")
 
-    phases = {(kd, "topk_gpu"): "draft top-k", (kd, "build_tree_gpu"): "tree build",
-              (target, "_program"): "target forward"}
-    if learned:
-        phases[dm, "step_program"] = "drafter forward"
     for name, program in (("AR step", lambda: step_ar._program((0, 1, 1, False), 0)),
                           (f"{kind} step (budget {args.budget})", lambda: step._program(key, 0))):
-        out[name] = per_launch(program, phases, args.reps, name)
+        out[name] = per_launch(program, target, drafter, args.reps, name)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

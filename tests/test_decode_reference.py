@@ -114,6 +114,18 @@ def test_suffix_drafter_rows(V, rng):
             assert (row_lp[c:] < np.log(1e-6) + 1e-3).all()
 
 
+@pytest.mark.parametrize("V", [96, 163840])
+def test_useless_drafter_rows(V):
+    """k distinct random tokens a row (a permutation per row; sampled rows), probabilities halving down the
+    row and summing to 1."""
+    toks, logp = UselessDrafter(V, seed=2).draft(np.arange(5), 6, 31)
+    assert toks.shape == logp.shape == (6, 31) and logp.dtype == np.float32
+    assert all(len(set(r.tolist())) == 31 for r in toks) and ((0 <= toks) & (toks < V)).all()
+    assert np.allclose(np.diff(logp, axis=1), -np.log(2.0), atol=1e-4)
+    assert np.allclose(np.exp(logp.astype(np.float64)).sum(axis=1), 1.0, atol=1e-5)
+    assert len({tuple(r) for r in toks.tolist()}) == 6  # rows drawn independently
+
+
 def test_suffix_drafter_redraws_colliding_rows():
     """A large vocabulary's distractors are sampled with replacement; a row that drew a collision (here:
     every first draw is token 0, a candidate) is drawn again without one."""
