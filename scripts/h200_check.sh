@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -795,7 +795,51 @@ s19e)  # session 19's last call: the step's record in mapped host memory behind 
   grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny.log"
   grep -h "budget\|chain\| ar " "$OUT/table.log" | cut -c1-200
   cut -c1-200 "$OUT/host.log" | tail -n 4 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e"; exit 2 ;;
+s20a)  # session 20: the attention's blocks take the query rows of several tokens (KDT_MLA_PACK_TOKENS, H < 16):
+  # every launch of the budget-31 step in a graph with and without; issue 8's table at budgets 16 / 31 alternated
+  # (1, 0, 1); then the MLA gpu tests of the shapes it changes. As run at the session's uncommitted code: the knob
+  # was removed after s20b (no gain at the table's L)
+  KDT_MLA_PACK_TOKENS=1 step graphs_pack1 120 python3 scripts/profile_graphs.py --budget 31 \
+    --json "$OUT/profile-graphs-$day-s20a-b31-pack1.json"
+  KDT_MLA_PACK_TOKENS=0 step graphs_pack0 120 python3 scripts/profile_graphs.py --budget 31 \
+    --json "$OUT/profile-graphs-$day-s20a-b31-pack0.json"
+  for p in 1 0 1; do
+    KDT_MLA_PACK_TOKENS=$p step table_pack${p}_$SECONDS 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
+      --eval-only --backend cuda --dtype bf16 --budgets 16,31 --repeats 3 \
+      --json "$OUT/drafter-$day-model_code-cuda-s20a-pack$p-$SECONDS.json"
+  done
+  step mla_tests 120 python3 -m pytest -q -m gpu tests/test_kernels_mla.py -p no:cacheprovider -rf \
+    -k "engine_splits or code_shape or num_splits"
+  for f in "$OUT"/graphs_pack*.log; do echo "== $f"; grep -h "^  [a-zA-Z]\|mla_attention2" "$f" | cut -c1-120; done
+  for f in "$OUT"/table_*.log; do echo "== $f"; grep -h "budget\|chain\| ar " "$f" | cut -c1-150; done
+  tail -n 3 "$OUT/mla_tests.log" ;;
+s20b)  # session 20: profile_graphs.py with every replay at the warm-up's L (prompt 128 + 48; before, L grew by
+  # thousands over the replays), the rows of several tokens a block on and off; issue 8's table alternated 5 times.
+  # As s20a: KDT_MLA_PACK_TOKENS=0 is the committed code
+  for p in 1 0; do
+    KDT_MLA_PACK_TOKENS=$p step graphs_pack$p 150 python3 scripts/profile_graphs.py --budget 31 \
+      --json "$OUT/profile-graphs-$day-s20b-b31-pack$p.json"
+  done
+  for p in 1 0 1 0 1; do
+    KDT_MLA_PACK_TOKENS=$p step table_pack${p}_$SECONDS 150 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
+      --eval-only --backend cuda --dtype bf16 --budgets 16,31 --repeats 5 \
+      --json "$OUT/drafter-$day-model_code-cuda-s20b-pack$p-$SECONDS.json"
+  done
+  for f in "$OUT"/graphs_pack*.log; do echo "== $f"; grep -h "^  [a-zA-Z]\|mla_\|^==" "$f" | cut -c1-120; done
+  for f in "$OUT"/table_*.log; do echo "== $f"; grep -h "budget\|chain\| ar " "$f" | cut -c1-150; done ;;
+s20c)  # session 20's last call (the final code: af823d0's drafters and profile_graphs.py's pinned L): the ddtree
+  # and engine gpu tests beside kdt verify; issue 8's table; the tiny bench; kdt generate on CUDA
+  tests_beside_verifies "gpu or kernels" 200 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
+  step table 100 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 \
+    --repeats 3 --json "$OUT/drafter-$day-model_code-cuda-s20c.json"
+  step bench_tiny 100 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s20c.json"
+  step generate 60 python3 -m kdt.cli generate --model fixtures/model_code.h5 --prompt "def " -n 200 --backend cuda \
+    --dtype bf16
+  grep -h "budget\|chain\| ar " "$OUT/table.log" | cut -c1-200
+  grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny.log"
+  tail -n 3 "$OUT/generate.log" | cut -c1-300 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -1,6 +1,6 @@
 """What each launch of a DDTree step costs inside a CUDA graph (run on a GPU; not a test, not a benchmark).
 
-    python scripts/profile_graphs.py [--model fixtures/model_code.h5] [--budget 16] [--reps 16] [--json F]
+    python scripts/profile_graphs.py [--model fixtures/model_code.h5] [--budget 16] [--prompt-len 128] [--json F]
     python scripts/profile_graphs.py --model fixtures/model_tiny.h5 --dtype float32 --budget 7   # the oracle chain
 
 The engine replays a greedy step from one CUDA graph, where a launch costs its kernel plus the graph's gap
@@ -13,8 +13,12 @@ to the next node; eager profiles (scripts/profile_kernels.py) see neither. This 
    its in-graph time per launch, and their sum by phase (drafter forward, top-k, tree, target forward, rest);
 3. an empty kernel ``--reps`` times: the least a launch costs in a graph.
 
-Replays change the state (L grows, caches and buffers are overwritten): the tokens decoded are garbage after
-the first replay, which does not change what the launches cost.
+Replays would change the state: each step commits tokens, so L would grow by thousands over the replays and
+the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
+attention read 11.6 us at M = 32 with L in the thousands). So every timed graph starts with one small launch that
+puts the step's device scalars (the target's L, the drafter's context length and pending rows) back to their values
+after the warm-up: prompt + 48 tokens (``--prompt-len``); that launch's own time (a second restore's) is measured
+and taken off. The tokens decoded are garbage after the first replay, which does not change what the launches cost.
 """
 
 from __future__ import annotations
@@ -41,9 +45,43 @@ from kdt.kernels import ddtree as kd  # noqa: E402
 from kdt.reference.decode import generate  # noqa: E402
 
 
+@cuda.jit
+def _pin(L, L0, L_ctx, L_ctx0, n_ctx, n_ctx0, dL, dL0):
+    """The step's device scalars back to their saved values (one thread)."""
+    L[0] = L0[0]
+    L_ctx[0] = L_ctx0[0]
+    n_ctx[0] = n_ctx0[0]
+    dL[0] = dL0[0]
+
+
+class Pin:
+    """The device scalars a step advances, saved now; ``launch(s)`` enqueues their restore."""
+
+    def __init__(self, target, drafter):
+        dm = getattr(drafter, "model", None)
+        pairs = [target.buf.L, dm.L_ctx, dm.n_ctx, dm.buf.L] if dm is not None else [target.buf.L] + [
+            cuda.to_device(np.zeros(1, np.int64)) for _ in range(3)]
+        self.args = [a for d in pairs for a in (d, cuda.to_device(d.copy_to_host()))]
+        self.L = int(target.buf.L.copy_to_host()[0])
+        self.pin_us = 0.0
+
+    def launch(self, s) -> None:
+        _pin[1, 1, s](*self.args)
+
+
+PIN: Pin | None = None  # set by main(); graph_us puts the state back before every replay
+
+
 def graph_us(launch, n: int = 50) -> float:
-    """Microseconds of GPU time a replay of the graph of ``launch(stream)`` takes (median of 3 runs of n)."""
-    g = ForwardGraphs(lambda key, stream=0: launch(stream))
+    """Microseconds of GPU time a replay of the graph of ``launch(stream)`` takes (median of 3 runs of n), the
+    graph led by PIN's restore when set (its time included)."""
+
+    def program(key, stream=0):
+        if PIN is not None:
+            PIN.launch(stream)
+        launch(stream)
+
+    g = ForwardGraphs(program)
     g.run(0)  # direct (compiles)
     g.run(0)  # captured, replayed
     cuda.synchronize()
@@ -95,7 +133,7 @@ def per_launch(program, target, drafter, reps: int, title: str) -> dict:
         def launch(s, disp=disp, grid=grid, block=block, shmem=shmem, kargs=kargs):
             for _ in range(reps):
                 disp[grid, block, s, shmem](*kargs)
-        us = graph_us(launch, n=20) / reps
+        us = (graph_us(launch, n=20) - PIN.pin_us) / reps
         name = disp.py_func.__name__
         rows.append({"i": i, "phase": phase, "kernel": name, "grid": list(grid), "block": list(block),
                      "us": round(us, 2)})
@@ -117,6 +155,8 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=8, help="the oracle's block (tree depth + 1)")
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--reps", type=int, default=16, help="copies of a launch in its graph")
+    ap.add_argument("--prompt-len", type=int, default=128,
+                    help="prompt tokens: every timed replay runs at L = prompt + 48 (issue 8's table: L 64 to 256)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -126,7 +166,7 @@ def main() -> int:
     B = fx.drafter.config.block_size if learned else args.block_size
     target = load_target(cfg, fx.weights, "cuda", args.dtype, max_len=4096, max_tokens=256)
     with open(__file__, "rb") as f:
-        prompt = [b % cfg.vocab_size for b in f.read(64)]
+        prompt = [b % cfg.vocab_size for b in f.read(args.prompt_len)]
     if learned:
         drafter = learned_drafter(fx, 4096, target)
     else:  # the oracle: the greedy continuation, drafted on the host into mapped memory
@@ -143,8 +183,10 @@ def main() -> int:
     d_tok, d_logp = ops.draft_buffers(D, K, mapped=not learned)
     t, b = ops.tree, target.buf
     kind = "learned" if learned else "oracle"
+    global PIN
+    PIN = Pin(target, drafter)
     out: dict = {"model": args.model, "dtype": args.dtype, "drafter": kind, "budget": args.budget,
-                 "block_size": B, "reps": args.reps}
+                 "block_size": B, "reps": args.reps, "L": PIN.L}
 
     whole = {
         "AR step": lambda s: step_ar._program((0, 1, 1, False), s),
@@ -158,10 +200,14 @@ def main() -> int:
     whole[f"tree build (budget {args.budget})"] = lambda s: kd.build_tree_gpu(ops.root, d_tok, d_logp, args.budget,
                                                                              b.L, out=t, stream=s)
     whole[f"empty kernel x{args.reps}"] = lambda s: [_noop[1, 32, s]() for _ in range(args.reps)]
+    # the restore's own cost: a second restore's (a graph of the restore alone also holds the graph's fixed cost)
+    pin_us = PIN.pin_us = graph_us(PIN.launch) - graph_us(lambda s: None)
+    out["pin_us"] = round(pin_us, 2)
     out["programs_us"] = {}
-    print(f"== whole programs, one graph each ({args.model}, {args.dtype}, {kind} drafter, block {B})")
+    print(f"== whole programs, one graph each ({args.model}, {args.dtype}, {kind} drafter, block {B}, L = {PIN.L};"
+          f" the state's restore, {pin_us:.2f} us, taken off)")
     for name, fn in whole.items():
-        us = graph_us(fn)
+        us = graph_us(fn) - pin_us
         out["programs_us"][name] = round(us, 2)
         print(f"  {name:34s} {us:8.2f} us")
     floor = out["programs_us"][f"empty kernel x{args.reps}"] / args.reps
