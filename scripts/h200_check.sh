@@ -828,17 +828,20 @@ s20b)  # session 20: profile_graphs.py with every replay at the warm-up's L (pro
   for f in "$OUT"/graphs_pack*.log; do echo "== $f"; grep -h "^  [a-zA-Z]\|mla_\|^==" "$f" | cut -c1-120; done
   for f in "$OUT"/table_*.log; do echo "== $f"; grep -h "budget\|chain\| ar " "$f" | cut -c1-150; done ;;
 s20c)  # session 20's last call (the final code: af823d0's drafters and profile_graphs.py's pinned L): the ddtree
-  # and engine gpu tests beside kdt verify; issue 8's table; the tiny bench; kdt generate on CUDA
+  # and engine gpu tests beside kdt verify; issue 8's table; the tiny bench; kdt generate on CUDA; the step's profile
+  # (each step's lines printed as it ends: the call may be cut short)
   tests_beside_verifies "gpu or kernels" 200 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
   step table 100 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 \
     --repeats 3 --json "$OUT/drafter-$day-model_code-cuda-s20c.json"
+  grep -h "budget\|chain\| ar " "$OUT/table.log" | cut -c1-200
   step bench_tiny 100 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
     --json "$OUT/bench-$day-tiny-s20c.json"
+  grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny.log"
   step generate 60 python3 -m kdt.cli generate --model fixtures/model_code.h5 --prompt "def " -n 200 --backend cuda \
     --dtype bf16
-  grep -h "budget\|chain\| ar " "$OUT/table.log" | cut -c1-200
-  grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny.log"
-  tail -n 3 "$OUT/generate.log" | cut -c1-300 ;;
+  tail -n 3 "$OUT/generate.log" | cut -c1-300
+  step graphs31 110 python3 scripts/profile_graphs.py --budget 31 --json "$OUT/profile-graphs-$day-s20c-b31.json"
+  grep -h "^  [a-zA-Z]\|^==" "$OUT/graphs31.log" | cut -c1-130 ;;
 *) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
