@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -842,7 +842,11 @@ s20c)  # session 20's last call (the final code: af823d0's drafters and profile_
   tail -n 3 "$OUT/generate.log" | cut -c1-300
   step graphs31 110 python3 scripts/profile_graphs.py --budget 31 --json "$OUT/profile-graphs-$day-s20c-b31.json"
   grep -h "^  [a-zA-Z]\|^==" "$OUT/graphs31.log" | cut -c1-130 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c"; exit 2 ;;
+s20d)  # session 20: the tiny bench with every decode row the median of 5 runs (host work: the median run's)
+  step bench_tiny 115 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s20d.json"
+  grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny.log" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

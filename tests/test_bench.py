@@ -48,3 +48,18 @@ def test_floor_bytes_count_weights_experts_and_cache():
     est = forward_bytes(cfg, 2, 16, 0, None)
     assert forward_bytes(cfg, 2, 16, 0, [6] * 26) < est < forward_bytes(cfg, 2, 16, 0, [64] * 26)
     assert math.isfinite(float(np.float64(est)))
+
+
+def test_median_run_takes_the_median_decode_and_host_work():
+    """The decode rows time several runs: the run of median decode time, and the median host work per step
+    (one host stall in one run must not move either)."""
+    from types import SimpleNamespace
+
+    from kdt.bench import _median_run
+
+    runs = iter([SimpleNamespace(decode_s=d, host_s=h, steps=10) for d, h in
+                 ((3.0, 0.5), (1.0, 0.1), (2.0, 0.2), (9.0, 0.3), (4.0, 0.4))])
+    med, host = _median_run(lambda: next(runs), 5)
+    assert med.decode_s == 3.0 and math.isclose(host, 0.03)
+    one, none = _median_run(lambda: SimpleNamespace(decode_s=1.0, host_s=None, steps=4), 3)
+    assert one.decode_s == 1.0 and none is None
