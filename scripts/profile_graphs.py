@@ -17,7 +17,7 @@ Replays would change the state: each step commits tokens, so L would grow by tho
 the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
 attention read 11.6 us at M = 32 with L in the thousands). So every timed graph starts with one small launch that
 puts the step's device scalars (the target's L, the drafter's context length and pending rows) back to their values
-after the warm-up: prompt + 48 tokens (``--prompt-len``); that launch's own time (a second restore's) is measured
+after the warm-up: about prompt + 50 (``--prompt-len``); that launch's own time (a second restore's) is measured
 and taken off. The tokens decoded are garbage after the first replay, which does not change what the launches cost.
 """
 
@@ -156,7 +156,8 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--reps", type=int, default=16, help="copies of a launch in its graph")
     ap.add_argument("--prompt-len", type=int, default=128,
-                    help="prompt tokens: every timed replay runs at L = prompt + 48 (issue 8's table: L 64 to 256)")
+                    help="prompt tokens: every timed replay runs at the L the warm-up leaves, about prompt + 50 "
+                    "(issue 8's table: L 64..256)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
