@@ -243,7 +243,8 @@ def train_drafter(
     minutes: float = typer.Option(10.0, help="Wall-clock budget of the training loop (0: --steps only)."),
     steps: int = typer.Option(0, help="Optimizer steps (0: as many as --minutes allows)."),
     block_size: int = typer.Option(16, help="Block size B: the root and B-1 drafted depths."),
-    layers: int = typer.Option(2, help="Drafter decoder layers."),
+    layers: int = typer.Option(None, help="Drafter decoder layers (default 2; with --resume the drafter's own, and "
+                               "fewer keep its first layers)."),
     intermediate: int = typer.Option(512, help="Drafter MLP width."),
     target_layers: str = typer.Option("auto", help="Target layers read as features, e.g. 1,2,3 (auto: up to 3 "
                                       "spread from layer 1 to the last)."),
@@ -269,8 +270,9 @@ def train_drafter(
     dtype: str = typer.Option("float32", help="Target weights on the GPU for the table: float32 | bf16."),
     json_out: Path = typer.Option(None, "--json", help="Write the acceptance table (and training summary) here."),
     resume: bool = typer.Option(False, "--resume", help="Start from MODEL's drafter: its weights and its shape "
-                                "(--block-size, --layers, --intermediate, --target-layers are taken from it); "
-                                "a fresh optimizer and schedule over --minutes / --steps."),
+                                "(--block-size, --intermediate, --target-layers are taken from it; --layers "
+                                "fewer than its own keeps its first layers); a fresh optimizer and schedule over "
+                                "--minutes / --steps."),
 ):
     """Train a DFlash-style block drafter for MODEL with torch (the `train` extra) against the target's own
     greedy continuations, store it under /drafter, and print its acceptance on held-out text. On a
@@ -281,7 +283,7 @@ def train_drafter(
     from kdt.engine import resolve_backend
     from kdt.fixture import Drafter, copy_with_drafter
     from kdt.tokenizer import load_tokenizer
-    from kdt.train_drafter import TrainArgs, acceptance_table, corpus_streams, torch_device, train
+    from kdt.train_drafter import TrainArgs, acceptance_table, corpus_streams, torch_device, train, truncated_drafter
 
     try:
         table_budgets = tuple(sorted({int(b) for b in budgets.split(",")}))
@@ -341,8 +343,14 @@ def train_drafter(
         fail("give --minutes > 0 or --steps > 0")
     if not lr > 0:
         fail(f"--lr must be > 0 (got {lr})")
-    if resume:  # the drafter's own shape
-        block_size = fx.drafter.config.block_size
+    init = None
+    if resume:  # the drafter's own shape, or its first --layers layers
+        block_size, own = fx.drafter.config.block_size, fx.drafter.config.num_hidden_layers
+        layers = own if layers is None else layers
+        if not 1 <= layers <= own:
+            fail(f"--resume --layers must be in [1, {own}] (the drafter's layers), got {layers}")
+        init = fx.drafter if layers == own else truncated_drafter(fx.drafter, layers)
+    layers = 2 if layers is None else layers
     if min(sequences, eval_sequences, layers, intermediate, batch) < 1 or block_size < 2 or gen_len < block_size + 8:
         fail("--sequences, --eval-sequences, --layers, --intermediate, --batch must be >= 1, --block-size >= 2 and "
              "--gen-len >= block size + 8")
@@ -356,8 +364,7 @@ def train_drafter(
     need = args.prompt_len + args.gen_len
     if min(len(train_stream), len(eval_stream)) <= need:
         fail(f"the corpus is too small: need more than {need} tokens in both its training and held-out files")
-    dcfg, weights, summary = train(fx.config, fx.weights, train_stream, eval_stream, args, log=log,
-                                   init=fx.drafter if resume else None)
+    dcfg, weights, summary = train(fx.config, fx.weights, train_stream, eval_stream, args, log=log, init=init)
     fx.drafter = Drafter(dcfg, weights, summary)
     dest = out or model
     copy_with_drafter(model, dest, fx.drafter)  # saved before the evaluation: nothing trained is lost

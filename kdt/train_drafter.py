@@ -340,6 +340,21 @@ class TrainArgs:
     device: str = "cpu"  # torch device of the data generation and the training
 
 
+def truncated_drafter(drafter, n_layers: int):
+    """A :class:`kdt.fixture.Drafter` of the first ``n_layers`` decoder layers of ``drafter`` (with its fc,
+    norms and mask embedding): a start for training a shallower drafter (``kdt train-drafter --resume
+    --layers N``). Its meta records where it came from."""
+    from kdt.fixture import Drafter
+
+    c = drafter.config
+    if not 1 <= n_layers <= c.num_hidden_layers:
+        raise ValueError(f"keep 1..{c.num_hidden_layers} layers, not {n_layers}")
+    keep = {k: v for k, v in drafter.weights.items() if not k.startswith("model.layers.")
+            or int(k.split(".")[2]) < n_layers}
+    meta = dict(drafter.meta or {}, truncated_from_layers=c.num_hidden_layers)
+    return Drafter(replace(c, num_hidden_layers=n_layers), keep, meta)
+
+
 def train(cfg: ModelConfig, weights: dict[str, np.ndarray], train_stream: np.ndarray, eval_stream: np.ndarray,
           a: TrainArgs, log: Callable[[str], None] = print,
           init=None) -> tuple[DrafterConfig, dict[str, np.ndarray], dict]:

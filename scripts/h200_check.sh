@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -846,7 +846,39 @@ s20d)  # session 20: the tiny bench with every decode row the median of 5 runs (
   step bench_tiny 115 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
     --json "$OUT/bench-$day-tiny-s20d.json"
   grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny.log" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d"; exit 2 ;;
+s21a)  # session 21: device steps launched one ahead of the host's read (KDT_STEP_AHEAD, default 1): the ddtree
+  # and engine gpu tests beside kdt verify; issue 8's table at budgets 16 / 31 alternated (1, 0, 1); the tiny bench
+  tests_beside_verifies "gpu or kernels" 200 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
+  for a in 1 0 1; do
+    KDT_STEP_AHEAD=$a step table_ahead${a}_$SECONDS 110 python3 -m kdt.cli train-drafter fixtures/model_code.h5 \
+      --eval-only --backend cuda --dtype bf16 --budgets 16,31 --repeats 3 \
+      --json "$OUT/drafter-$day-model_code-cuda-s21a-ahead$a-$SECONDS.json"
+    grep -h "budget\|chain\| ar \|==" "$(ls -t "$OUT"/table_ahead*.log | head -1)" | cut -c1-150
+  done
+  step bench_tiny 100 python3 -m kdt.cli bench --model fixtures/model_tiny.h5 --dtype float32 \
+    --json "$OUT/bench-$day-tiny-s21a.json"
+  grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny.log" ;;
+s21b)  # session 21, issue 8: a 2-layer drafter from the committed drafter's first two layers (kdt train-drafter
+  # --resume --layers 2), alone on the GPU; its acceptance at budget 31 (one round); the model back in 15 MB parts
+  step train_d2 ${DRAFT_TIMEOUT:-470} python3 -m kdt.cli train-drafter fixtures/model_code.h5 --resume --layers 2 \
+    --out /tmp/d2.h5 --device cuda --minutes ${DRAFT_MIN:-6} --sequences 65536 --batch 256 --anchors 16 \
+    --seed ${DRAFT_SEED:-6} --lr ${DRAFT_LR:-0.001} --eval-prompts 0
+  grep -h "eval\|wrote\|final" "$OUT/train_d2.log" | tail -n 4 | cut -c1-300
+  [ -f /tmp/d2.h5 ] && parts /tmp/d2.h5
+  step table_d2 100 python3 -m kdt.cli train-drafter /tmp/d2.h5 --eval-only --backend cuda --dtype bf16 \
+    --budgets 16,31 --json "$OUT/drafter-$day-model_code-cuda-s21b-d2.json"
+  grep -h "budget\|chain\| ar " "$OUT/table_d2.log" | cut -c1-150 ;;
+s21c)  # session 21: issue 8's table at budgets 16 / 31, 3 rounds each, one machine: the committed 3-layer drafter with
+  # steps launched ahead (KDT_STEP_AHEAD) on, off; s21b's 2-layer drafter (carry out/d2.h5) with it on; off again
+  for run in d3:1:150 d3:0:90 d2:1:90 d3:0:90; do
+    IFS=: read -r d a t <<< "$run"
+    m=fixtures/model_code.h5; [ "$d" = d2 ] && m=out/d2.h5
+    KDT_STEP_AHEAD=$a step table_${d}_ahead${a}_$SECONDS "$t" python3 -m kdt.cli train-drafter "$m" --eval-only \
+      --backend cuda --dtype bf16 --budgets 16,31 --repeats 3 \
+      --json "$OUT/drafter-$day-model_code-cuda-s21c-$d-ahead$a-$SECONDS.json"
+    grep -h "budget\|chain\| ar " "$(ls -t "$OUT"/table_*.log | head -1)" | cut -c1-150
+  done ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -237,13 +237,22 @@ def test_device_pipeline(rng):
     L_dev = cuda.to_device(np.array([2], np.int64))
     compact_gpu(d_c, d_k, L_dev, d_acc.accepted[0], d_acc.n_accepted)  # L and n_acc read on the device
     accepted, bonus = follow_verified_tree(tree, tc[0, : tree.n])
-    # step_commit: record = [1 + a, choice at each accepted node], L += 1 + a, root = bonus
-    record, root_dev = cuda.to_device(poisoned(budget + 2, np.int64)), cuda.to_device(np.array([-1], np.int64))
-    step_commit[1, 32](d_acc.accepted, d_acc.n_accepted, d_acc.bonus, cuda.to_device(tc[0]), L_dev, root_dev, record)
+    # step_commit: record[seq & 1] = [1 + a, choice at each accepted node], seq += 1, L += 1 + a, root = bonus
+    record, root_dev = cuda.to_device(poisoned((2, budget + 2), np.int64)), cuda.to_device(np.array([-1], np.int64))
+    seq = cuda.to_device(np.array([6], np.int64))  # an even count: row 0
+    choices = cuda.to_device(tc[0])
+    step_commit[1, 32](d_acc.accepted, d_acc.n_accepted, d_acc.bonus, choices, L_dev, root_dev, record, seq)
     rec = record.copy_to_host()
-    assert rec[0] == accepted.size and (rec[1: 1 + accepted.size] == tc[0, accepted]).all()
-    assert (rec[1 + accepted.size:] == -7777).all()
+    assert rec[0, 0] == accepted.size and (rec[0, 1: 1 + accepted.size] == tc[0, accepted]).all()
+    assert (rec[0, 1 + accepted.size:] == -7777).all() and (rec[1] == -7777).all()
     assert L_dev.copy_to_host()[0] == 2 + accepted.size and root_dev.copy_to_host()[0] == bonus
+    assert seq.copy_to_host()[0] == 7
+    L_dev.copy_to_device(np.array([2], np.int64))  # again at an odd count: row 1, row 0 left as it was
+    step_commit[1, 32](d_acc.accepted, d_acc.n_accepted, d_acc.bonus, choices, L_dev, root_dev, record, seq)
+    rec2 = record.copy_to_host()
+    np.testing.assert_array_equal(rec2[1], rec[0])
+    np.testing.assert_array_equal(rec2[0], rec[0])
+    assert seq.copy_to_host()[0] == 8 and L_dev.copy_to_host()[0] == 2 + accepted.size
     for layer in range(2):
         compact_cache([c_kv[layer], k_pe[layer]], 2, accepted)
     np.testing.assert_array_equal(d_c.copy_to_host(), c_kv)

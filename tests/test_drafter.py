@@ -251,6 +251,39 @@ def test_train_drafter_cli_smoke(tmp_path):
     assert any(not np.array_equal(rs.drafter.weights[n], fx.drafter.weights[n]) for n in fx.drafter.weights)
 
 
+def test_truncated_drafter_keeps_the_first_layers_bit_for_bit(rng):
+    """truncated_drafter (the start of `kdt train-drafter --resume --layers N`): the first N layers, fc, norms
+    and mask embedding unchanged, the config's layer count N, a drafter the reference runs."""
+    from kdt.train_drafter import truncated_drafter
+
+    cfg = CFG
+    dcfg = DrafterConfig(target_layers=(0,), block_size=3, num_hidden_layers=3, intermediate_size=8)
+    full = Drafter(dcfg, random_drafter_weights(dcfg, cfg, 3), {"steps": 7})
+    two = truncated_drafter(full, 2)
+    assert two.config.num_hidden_layers == 2 and two.meta == {"steps": 7, "truncated_from_layers": 3}
+    assert set(two.weights) == set(drafter_weight_names(two.config, cfg))
+    assert all(np.array_equal(two.weights[n], full.weights[n]) for n in two.weights)
+    emb = rng.standard_normal((cfg.vocab_size, cfg.hidden_size))
+    DraftModel(two.config, cfg, two.weights, emb, emb, max_len=16).block_logits(1, 0)
+    with pytest.raises(ValueError):
+        truncated_drafter(full, 4)
+
+
+def test_train_drafter_resume_layers_refused(tmp_path):
+    """--resume --layers more than the drafter has: one line, exit 2, nothing written."""
+    pytest.importorskip("torch")
+    from kdt.fixture import copy_with_drafter
+    from kdt.testing import run_kdt
+
+    cfg = read_fixture("fixtures/model_tiny.h5", load_weights=False).config
+    dcfg = DrafterConfig(target_layers=(0,), block_size=4, num_hidden_layers=1, intermediate_size=8)
+    src = tmp_path / "d1.h5"
+    copy_with_drafter("fixtures/model_tiny.h5", src, Drafter(dcfg, random_drafter_weights(dcfg, cfg, 1), {}))
+    r = run_kdt("train-drafter", src, "--resume", "--layers", "2", "--out", tmp_path / "x.h5", "--sequences", "2")
+    assert r.returncode == 2 and "--layers must be in [1, 1]" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 2 and not (tmp_path / "x.h5").exists()  # the notice, the error
+
+
 @pytest.mark.parametrize("args, msg", [
     (("--target-layers", "9"), "target_layers"),
     (("--target-layers", "x"), "--target-layers"),

@@ -160,33 +160,45 @@ def test_device_step_program_equals_separate_steps(rng):
     """The one-program greedy step (StepGraph: draft -> build -> verify -> argmax -> accept -> compact ->
     commit on the device, one copy back) == the step as separate calls, token for token and step for
     step: AR and the learned drafter drafting inside the program (its block, top-k and context rows from
-    the accepted nodes' features, all on the device). Host drafters run the program in the invariant
-    test above (greedy runs take it by default)."""
+    the accepted nodes' features, all on the device). Each step is launched before its predecessor's
+    tokens are read (StepGraph.launch / result) while that one cannot end the run; a stop token read with
+    a step in flight drops it (StepGraph.discard) and leaves the target's L and the drafter's context as
+    the separate calls do. Host drafters run the program in the invariant test above."""
     from kdt.drafters import LearnedDrafter
     from kdt.engine.cuda_model import CudaDraftModel
     from kdt.reference.drafter import DrafterConfig, random_drafter_weights
 
     w = random_weights(MICRO, int(rng.integers(1 << 30)))
     prompt = rng.integers(0, MICRO.vocab_size, 3)
-    n = 3
-    cm = cuda_model(MICRO, w, max_len=24, max_tokens=8)
-    ar = ar_generate(cm, prompt, n, keep_logits=True)  # keep_logits: the separate-calls path
-    fused = ar_generate(cm, prompt, n)
+    n = 7
+    cm = cuda_model(MICRO, w, max_len=32, max_tokens=8)
+    ar = ar_generate(cm, prompt, 4, keep_logits=True)  # keep_logits: the separate-calls path
+    fused = ar_generate(cm, prompt, 4)
+    step = cm.tree_ops.device_step(None)
     assert fused.tokens == ar.tokens and fused.host_s is not None and ar.host_s is None
+    assert step.launched == 3 and step.dropped == 0  # steps since start(): 1 and 2 had the next in flight
     k = safe_len(ar.logits)
-    dcfg = DrafterConfig(target_layers=(0, MICRO.num_hidden_layers - 1), block_size=4, num_hidden_layers=1,
+    dcfg = DrafterConfig(target_layers=(0, MICRO.num_hidden_layers - 1), block_size=3, num_hidden_layers=1,
                          intermediate_size=16)
-    learned = LearnedDrafter(CudaDraftModel(dcfg, cm, random_drafter_weights(dcfg, MICRO, 5), max_len=24))
+    learned = LearnedDrafter(CudaDraftModel(dcfg, cm, random_drafter_weights(dcfg, MICRO, 5), max_len=32))
     assert cm.tree_ops.device_step(learned).drafts_on_device
-    runs, after = [], []
+    # a stop token that the first or second step commits (tokens 1 and 2 of AR's), read with the next step in
+    # flight (a step commits at most 3 here, and 7 - 2 > 3): a drop, unless the tokens repeat
+    stop = next((ar.tokens[i] for i in (2, 1) if ar.tokens[i] not in ar.tokens[:i]), None)
+    stops = [] if stop is None else [stop]
+    runs, after, L = [], [], []
     for dev in (False, True):
-        runs.append(generate(cm, prompt, n, drafter=learned, budget=5, block_size=4, device_steps=dev))
-        # the drafter's context after the run (fed on the device in the fused run): its next block
+        runs.append(generate(cm, prompt, n, drafter=learned, budget=3, block_size=3, device_steps=dev,
+                             stop_tokens=stops))
+        # the drafter's context and the target's L after the run: the drafter's next block
         after.append(learned.model.block_logits(runs[-1].tokens[-1], learned.committed))
+        L.append(int(cm.buf.L.copy_to_host()[0]) if dev else len(prompt) + sum(runs[-1].accept_lengths))
+    step = cm.tree_ops.device_step(learned)
     assert runs[1].tokens == runs[0].tokens and runs[1].accept_lengths == runs[0].accept_lengths
-    assert runs[1].tokens[:k] == ar.tokens[:k]
-    assert learned.committed == len(prompt) + sum(runs[1].accept_lengths)
+    assert runs[1].tokens[:k] == ar.tokens[: len(runs[1].tokens[:k])]
+    assert learned.committed == L[0] == L[1] and not step.in_flight
     assert rel_err(after[1], after[0]) < 1e-5
+    assert step.dropped == len(stops) and (not stops or runs[1].finish_reason == "stop")
 
 
 def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers: int, dtype="float32") -> None:
@@ -253,6 +265,42 @@ def test_learned_drafter_on_cuda_model_code(rng):
                        block_size=fx.drafter.config.block_size)
         assert res.tokens[:k] == ar.tokens[:k], budget
         assert res.avg_accept > 1.5, (budget, res.avg_accept)  # it learned something
+
+
+@pytest.mark.gpu
+def test_stop_token_drops_the_step_in_flight_gpu():
+    """model_code and its learned drafter on the GPU, budget 31: a stop token read while the next step is in
+    flight (StepGraph.discard) gives AR's tokens up to the stop, leaves the target's L and the drafter's
+    context at the last step read, and the next run equals AR."""
+    from kdt.drafters import learned_drafter
+    from kdt.engine import load_target
+    from kdt.fixture import read_fixture
+
+    fx = read_fixture(str(CODE))
+    if fx.drafter is None:
+        pytest.skip("fixtures/model_code.h5 carries no drafter")
+    B, n = fx.drafter.config.block_size, 120
+    target = load_target(fx.config, fx.weights, "cuda", "bf16", 512, max_tokens=64)
+    drafter = learned_drafter(fx, 512, target)
+    prompt = np.frombuffer(b"import os\nimport sys\n\ndef main(argv):\n    ", np.uint8).astype(np.int64)
+    ar = ar_generate(target, prompt, n, keep_logits=True)
+    k = safe_len(ar.logits)
+    stops = [t for i, t in enumerate(ar.tokens[:k]) if i >= 3 and t not in ar.tokens[:i]][:6]
+    assert stops, "no stop token in AR's safe prefix"
+
+    def dropped() -> int:
+        return sum(s.dropped for s in target.tree_ops._steps.values())
+
+    for stop in stops:
+        d0 = dropped()
+        res = generate(target, prompt, n, drafter=drafter, budget=31, block_size=B, stop_tokens=[stop])
+        assert res.tokens == ar.tokens[: ar.tokens.index(stop) + 1] and res.finish_reason == "stop"
+        L = int(target.buf.L.copy_to_host()[0])
+        assert L == len(prompt) + sum(res.accept_lengths) == drafter.committed
+        before = 1 + sum(res.accept_lengths[:-1])  # tokens out before the last step; a step commits <= B
+        assert dropped() - d0 == int(n - before > B), (stop, before)
+    res = generate(target, prompt, n, drafter=drafter, budget=31, block_size=B)
+    assert res.tokens[:k] == ar.tokens[:k]
 
 
 @pytest.mark.gpu

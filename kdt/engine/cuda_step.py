@@ -14,10 +14,15 @@ Two ways to run a step, same results:
   writes a host drafter's draft into host memory mapped into the device (no copy call) before the
   launch; after it, the host waits on an event behind the program (the step's only synchronisation)
   and reads one record that the program wrote into mapped host memory: ``[1 + a, the committed tokens]``.
+  A step that drafts on the device (or an AR step) needs nothing from the host, so the decode loop
+  launches it before reading its predecessor's record (``launch`` / ``result``; two record rows in
+  turn): the GPU never waits for the host between steps. A step launched ahead of one that ended the
+  generation (a stop token) is dropped (``discard``: the device state goes back to the last step read).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -158,6 +163,10 @@ def drafts_on_device(drafter, model: CudaModel) -> bool:
         model.cfg.vocab_size <= kd.TOPK_MAX_V
 
 
+# Launch a device-drafted (or AR) step before the previous step's tokens are read (env KDT_STEP_AHEAD=0: never)
+STEP_AHEAD = os.environ.get("KDT_STEP_AHEAD", "1") != "0"
+
+
 class StepGraph:
     """One greedy DDTree step as one device program (see the module docstring), per key
     ``(budget, D, K, drafted on the device)``: budget nodes, D = depth, K candidates per depth; budget 0
@@ -168,10 +177,17 @@ class StepGraph:
         self.ops, self.model, self.draft_model = ops, ops.model, draft_model
         self.drafter = None
         n = ops.nmax
-        # [1 + a, committed tokens]: host memory mapped into the device, written by step_commit over the bus
-        # (no copy call); read after the event that follows the step's launch
-        self.record = cuda.mapped_array(1 + n, np.int64)
-        self.done = cuda.event() if IS_SIM else cuda.event(timing=False)
+        # two rows [1 + a, committed tokens] in host memory mapped into the device, written in turn by
+        # step_commit over the bus (no copy call; the device's count ``seq`` picks the row); a row is read
+        # after the event that follows its step's launch, each step has its event
+        self.record = cuda.mapped_array((2, 1 + n), np.int64)
+        self.seq = cuda.to_device(np.zeros(1, np.int64))
+        self.done = [cuda.event() if IS_SIM else cuda.event(timing=False) for _ in range(2)]
+        self.launched = 0  # steps launched since start(); the device's seq counts the same
+        # launched, not yet read, oldest first: (count, drafted on the device, pending_ctx before it)
+        self.in_flight: list[tuple[int, bool, bool]] = []
+        self.pending_ctx = False  # the drafter holds context rows not yet in its cache (finish() adds them)
+        self.dropped = 0  # steps launched ahead and dropped (discard)
         self.graphs = ForwardGraphs(self._program) if self.model.graphs is not None else None
         self.wait_s = 0.0  # time the host waited for the steps' programs (on the event behind each)
 
@@ -182,17 +198,31 @@ class StepGraph:
     def start(self, L: int, root: int) -> None:
         """The device state after the prefill: prefix length L (cache slots [0, L) hold the prompt) and
         the root (committed, not cached)."""
+        if self.in_flight:
+            raise RuntimeError("StepGraph.start with steps in flight: read or discard them first")
         self.model.buf.L.copy_to_device(np.array([L], np.int64))
         self.ops.root.copy_to_device(np.array([root], np.int64))
+        self.seq.copy_to_device(np.zeros(1, np.int64))
+        self.launched = 0
         dm = self.draft_model
         if dm is not None:  # its context holds [0, L) (the prefill's rows): none pending; the first block staged
             dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
             dm.L_ctx.copy_to_device(np.array([L], np.int64))
             self._stage_draft(True)
+        self.pending_ctx = False
 
-    def step(self, budget: int, D: int, K: int, draft=None) -> list[int]:
-        """One step with ``budget`` nodes (0: autoregressive), depth D, K candidates per depth; ``draft``
-        = (tokens [D, K], logp [D, K]) from a host drafter, None when the program drafts (or budget 0)."""
+    def pipelines(self, budget: int) -> bool:
+        """A step of ``budget`` may be launched before the previous step's tokens are read: it drafts on
+        the device (or is autoregressive), so it needs nothing from the host."""
+        return STEP_AHEAD and (budget == 0 or self.drafts_on_device)
+
+    def launch(self, budget: int, D: int, K: int, draft=None) -> None:
+        """Launch one step with ``budget`` nodes (0: autoregressive), depth D, K candidates per depth; ``draft``
+        = (tokens [D, K], logp [D, K]) from a host drafter, None when the program drafts (or budget 0).
+        It starts from the device state the steps launched before it leave; ``result`` reads its tokens.
+        At most two steps are in flight (the record has two rows)."""
+        if len(self.in_flight) >= 2:
+            raise RuntimeError("StepGraph.launch: two steps in flight already (read one with result())")
         if budget > 0:
             self.ops.check_budget(budget)
             if draft is None and self.draft_model is None:
@@ -201,33 +231,76 @@ class StepGraph:
                 raise ValueError(f"the learned drafter drafts {self.draft_model.dcfg.block_size - 1} depths "
                                  f"(block size {self.draft_model.dcfg.block_size}), {D} asked")
             if draft is not None:
+                if self.in_flight:  # the mapped draft arrays are read by the step in flight
+                    raise RuntimeError("StepGraph.launch: a host draft while a step is in flight")
                 D, K = draft[0].shape
                 self.ops.upload_draft(*draft)
             key = (int(budget), int(D), int(K), draft is None)
         else:
             key = (0, 1, 1, False)
+        drafted = key[3] and self.draft_model is not None  # its drafter forward takes the pending rows in
         if self.graphs is None:
             self._program(key)
         else:
             self.graphs.run(key)
-        self.done.record()  # on stream 0, behind the step
+        self.done[self.launched & 1].record()  # on stream 0, behind the step
+        self.in_flight.append((self.launched, drafted, self.pending_ctx))
+        self.launched += 1
+        self.pending_ctx = self.pending_ctx or drafted
+
+    def result(self) -> list[int]:
+        """The tokens committed by the oldest step in flight (waits for it: the steps' only synchronisation)."""
+        i = self.in_flight.pop(0)[0]
         t1 = time.perf_counter()
-        self.done.synchronize()  # waits for the step: its only synchronisation
+        self.done[i & 1].synchronize()
         self.wait_s += time.perf_counter() - t1
-        n = int(self.record[0])
-        tokens = self.record[1: 1 + n].tolist()
+        row = self.record[i & 1]
+        n = int(row[0])
         self.model.buf.vis_host = None
-        return tokens
+        return row[1: 1 + n].tolist()
+
+    def step(self, budget: int, D: int, K: int, draft=None) -> list[int]:
+        """One step, launched and read (:meth:`launch`, :meth:`result`)."""
+        self.launch(budget, D, K, draft)
+        return self.result()
+
+    def discard(self, L: int, root: int) -> None:
+        """Drop the steps in flight (launched ahead of a step that ended the generation): the device state
+        goes back to that of the last step read, prefix L and ``root`` (its bonus token). What a dropped
+        step changed beyond that is the cache past L (free slots) and the scalars reset here; its drafter
+        forward wrote the read step's context rows into the drafter's cache, as ``finish`` would have."""
+        if not self.in_flight:
+            return
+        first, drafted, pending = self.in_flight[0]
+        if any(f[1] != drafted for f in self.in_flight):
+            raise RuntimeError("StepGraph.discard: steps in flight of both kinds (drafted and not)")
+        self.done[self.in_flight[-1][0] & 1].synchronize()
+        self.dropped += len(self.in_flight)
+        self.in_flight.clear()
+        self.launched = first
+        self.seq.copy_to_device(np.array([first], np.int64))
+        self.model.buf.L.copy_to_device(np.array([L], np.int64))
+        self.ops.root.copy_to_device(np.array([root], np.int64))
+        self.pending_ctx = pending
+        if drafted:  # the dropped forward took the read step's context rows in: none pending, the block staged
+            dm = self.draft_model
+            dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
+            dm.L_ctx.copy_to_device(np.array([L], np.int64))
+            self._stage_draft(True)
+            self.pending_ctx = False
+            if self.drafter is not None:
+                self.drafter.committed = L
 
     def finish(self, L: int) -> None:
         """After the last step: the drafter's pending context rows (the last step's accepted nodes) into
         its cache, so that its state equals the separate-calls path's (context [0, L))."""
         dm = self.draft_model
-        if dm is None or self.drafter is None or int(dm.n_ctx.copy_to_host()[0]) == 0:
+        if dm is None or self.drafter is None or not self.pending_ctx:
             return
         self._stage_draft(False)
         dm.context_program(dm.dcfg.block_size, dm.vis_causal)
         dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
+        self.pending_ctx = False
         self.drafter.committed = L
 
     def _stage_draft(self, with_block: bool) -> None:
@@ -261,4 +334,5 @@ class StepGraph:
             kd.gather_accepted(m.feat, acc.accepted, acc.n_accepted, b.L, acc.bonus, dm.feat_in[:B], dm.n_ctx,
                                dm.L_ctx, db.tokens, db.positions, db.L, dm.vis_step, dm.embed_tokens, dm.mask_rows,
                                db.x, stream=s)
-        kd.step_commit[1, 128, s](acc.accepted, acc.n_accepted, acc.bonus, b.choice, b.L, ops.root, self.record)
+        kd.step_commit[1, 128, s](acc.accepted, acc.n_accepted, acc.bonus, b.choice, b.L, ops.root, self.record,
+                                  self.seq)

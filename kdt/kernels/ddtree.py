@@ -834,19 +834,24 @@ for _dt, _emb in (("float32", float32[:, ::1]), ("uint16", uint16[:, ::1])):
 
 
 @cuda.jit
-def step_commit(accepted, n_accepted, bonus, choice, L, root, record):
-    """End of a DDTree step on the device: record = [n, choice[accepted[0, 0..n-1]]] (the tokens this
-    step commits, which the host copies back), L += n, root = bonus (the next step's root). One block."""
+def step_commit(accepted, n_accepted, bonus, choice, L, root, record, seq):
+    """End of a DDTree step on the device: record[seq & 1] = [n, choice[accepted[0, 0..n-1]]] (the tokens
+    this step commits, which the host reads), seq += 1, L += n, root = bonus (the next step's root). The
+    two record rows alternate, so that a step launched before the host has read its predecessor's row
+    writes the other one. One block."""
     n = n_accepted[0]
+    r = seq[0] & 1
     for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-        record[1 + i] = choice[accepted[0, i]]
+        record[r, 1 + i] = choice[accepted[0, i]]
+    cuda.syncthreads()  # every thread has read seq before thread 0 moves it on
     if cuda.threadIdx.x == 0:
-        record[0] = n
+        record[r, 0] = n
         root[0] = bonus[0]
         L[0] = L[0] + n
+        seq[0] = seq[0] + 1
 
 
-register_ptx(step_commit, (_I32_2, _I32_1, _I64_1, _I64_1, _I64_1, _I64_1, _I64_1))
+register_ptx(step_commit, (_I32_2, _I32_1, _I64_1, _I64_1, _I64_1, _I64_1, _I64_2, _I64_1))
 
 
 def topk_gpu(logits, out_tok, out_logp, stream=0) -> None:

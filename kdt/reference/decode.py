@@ -192,14 +192,22 @@ def generate(
             break
         step_budget = min(budget, room - 1)
         if fused is not None:  # the whole step on the device; back come the committed tokens
-            draft = None
-            if step_budget > 0 and not fused.drafts_on_device:
-                context = seq[: P + len(res.tokens)]
-                draft = drafter.draft(context, depth, min(step_budget, target.cfg.vocab_size))
-            out = fused.step(step_budget, depth, min(step_budget, target.cfg.vocab_size), draft)
+            k = min(step_budget, target.cfg.vocab_size)
+            if not fused.in_flight:
+                draft = None
+                if step_budget > 0 and not fused.drafts_on_device:
+                    draft = drafter.draft(seq[: P + len(res.tokens)], depth, k)
+                fused.launch(step_budget, depth, k, draft)
+            # the next step goes in before this one's tokens are read (it needs nothing from the host), unless
+            # this step may end the generation (max_new) or bring the next one's budget down (the context)
+            most = 1 + (min(step_budget, depth) if step_budget > 0 else 0)  # tokens this step may commit
+            if fused.pipelines(step_budget) and max_new - len(res.tokens) > most and room - most > step_budget:
+                fused.launch(step_budget, depth, k)
+            out = fused.result()
             L += len(out)
             res.steps += 1
             res.accept_lengths.append(len(out))
+            root = out[-1]
             done = emit(out, None)
             continue
         if step_budget > 0:
@@ -223,6 +231,8 @@ def generate(
         res.accept_lengths.append(len(accepted))
         root = int(bonus)
         done = emit([int(t) for t in choice[accepted]], np.asarray(logits)[accepted] if keep_logits else None)
+    if fused is not None:
+        fused.discard(L, root)  # a step launched ahead of the one that read a stop token
     res.decode_s = time.perf_counter() - t0
     if fused is not None:  # everything but the GPU's own time: drafting, launches, copies, bookkeeping
         res.host_s = res.decode_s - (fused.wait_s - wait0)
