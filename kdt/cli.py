@@ -330,6 +330,14 @@ def train_drafter(
         fail("kdt train-drafter needs torch and transformers: pip install -e '.[train]'")
     if resume and fx.drafter is None:
         fail(f"--resume: {model} carries no learned drafter")
+    init = None
+    if resume:  # the drafter's own shape, or its first --layers layers
+        block_size, own = fx.drafter.config.block_size, fx.drafter.config.num_hidden_layers
+        layers = own if layers is None else layers
+        if not 1 <= layers <= own:
+            fail(f"--resume --layers must be in [1, {own}] (the drafter's layers), got {layers}")
+        init = fx.drafter if layers == own else truncated_drafter(fx.drafter, layers)
+    layers = 2 if layers is None else layers
     if fx.drafter is not None:
         err.print(f"{model} already carries a drafter: it will be "
                   + ("trained further (--resume)" if resume else "replaced"), highlight=False)
@@ -343,14 +351,6 @@ def train_drafter(
         fail("give --minutes > 0 or --steps > 0")
     if not lr > 0:
         fail(f"--lr must be > 0 (got {lr})")
-    init = None
-    if resume:  # the drafter's own shape, or its first --layers layers
-        block_size, own = fx.drafter.config.block_size, fx.drafter.config.num_hidden_layers
-        layers = own if layers is None else layers
-        if not 1 <= layers <= own:
-            fail(f"--resume --layers must be in [1, {own}] (the drafter's layers), got {layers}")
-        init = fx.drafter if layers == own else truncated_drafter(fx.drafter, layers)
-    layers = 2 if layers is None else layers
     if min(sequences, eval_sequences, layers, intermediate, batch) < 1 or block_size < 2 or gen_len < block_size + 8:
         fail("--sequences, --eval-sequences, --layers, --intermediate, --batch must be >= 1, --block-size >= 2 and "
              "--gen-len >= block size + 8")

@@ -29,7 +29,8 @@ def timed(acc, name, fn):
 
 
 class TimedEvent:
-    """The step's event behind its program: the record call and the wait (synchronize) timed."""
+    """An event behind a step's program (a step graph has two, used in turn): the record call and the wait
+    (synchronize) timed."""
 
     def __init__(self, event, acc):
         self.event, self.acc = event, acc
@@ -62,7 +63,7 @@ def main(path="fixtures/model_tiny.h5"):
         saved = ops.upload_draft, step.graphs.run, step.done
         ops.upload_draft = timed(acc, "upload draft", ops.upload_draft)
         step.graphs.run = timed(acc, "graph launch", step.graphs.run)
-        step.done = TimedEvent(step.done, acc)
+        step.done = [TimedEvent(e, acc) for e in step.done]
         if d is not None:
             d.draft = timed(acc, "drafter.draft (host)", d.draft)
         t0 = time.perf_counter()
