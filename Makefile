@@ -49,7 +49,7 @@ gen-ref: $(STAMP)  ## regenerate the golden fixture (only when the reference its
 # drafter trained further on fresh continuations (session 12: --resume --seed 1) and its acceptance table on
 # kdt's CUDA engine. Needs a CUDA GPU and the train extra; GPU training is
 # not bitwise repeatable, so the numbers come out close to, not equal to, docs/PERF.md's.
-train-demo: $(STAMP)  ## retrain fixtures/model_code.h5 (target + drafter) on a GPU, ~30 minutes
+train-demo: $(STAMP)  ## retrain fixtures/model_code.h5 (target + drafter) on a GPU, ~45 minutes
 	$(BIN)/pip install -q -e '.[train]'
 	$(BIN)/python scripts/train_target.py --device cuda --steps 5458 --minutes 0 --batch 64 --warmup 100 \
 		--fixture $(CODE_MODEL)
@@ -60,7 +60,11 @@ train-demo: $(STAMP)  ## retrain fixtures/model_code.h5 (target + drafter) on a 
 	$(BIN)/kdt train-drafter $(CODE_MODEL) --resume --device cuda --steps 3893 --minutes 0 --sequences 65536 \
 		--batch 256 --anchors 16 --seed 2 --lr 0.0007 --eval-prompts 0
 	$(BIN)/kdt train-drafter $(CODE_MODEL) --resume --device cuda --steps 3561 --minutes 0 --sequences 65536 \
-		--batch 256 --anchors 16 --seed 3 --lr 0.0005 --backend cuda --dtype bf16
+		--batch 256 --anchors 16 --seed 3 --lr 0.0005 --eval-prompts 0
+	$(BIN)/kdt train-drafter $(CODE_MODEL) --resume --layers 2 --device cuda --steps 4898 --minutes 0 \
+		--sequences 65536 --batch 256 --anchors 16 --seed 6 --lr 0.001 --eval-prompts 0
+	$(BIN)/kdt train-drafter $(CODE_MODEL) --resume --device cuda --steps 5720 --minutes 0 --sequences 65536 \
+		--batch 256 --anchors 16 --seed 7 --lr 0.0005 --backend cuda --dtype bf16 --budgets 16,31,64,256 --repeats 3
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

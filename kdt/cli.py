@@ -278,8 +278,8 @@ def train_drafter(
     greedy continuations, store it under /drafter, and print its acceptance on held-out text. On a
     2-core CPU the default run takes ~15 minutes (data ~2, training --minutes, evaluation ~2); with a GPU
     (--device auto picks it) data and batches stay on the GPU: e.g. --layers 3 --intermediate 1024 --sequences
-    65536 --batch 256 --anchors 16 --minutes 4.5 (an H200: data ~1 minute; the drafter committed in
-    fixtures/model_code.h5)."""
+    65536 --batch 256 --anchors 16 --minutes 4.5 (an H200: data ~1 minute; the first of the runs behind the
+    drafter committed in fixtures/model_code.h5, whose whole recipe is `make train-demo`)."""
     from kdt.engine import resolve_backend
     from kdt.fixture import Drafter, copy_with_drafter
     from kdt.tokenizer import load_tokenizer

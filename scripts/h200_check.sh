@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -878,7 +878,34 @@ s21c)  # session 21: issue 8's table at budgets 16 / 31, 3 rounds each, one mach
       --json "$OUT/drafter-$day-model_code-cuda-s21c-$d-ahead$a-$SECONDS.json"
     grep -h "budget\|chain\| ar " "$(ls -t "$OUT"/table_*.log | head -1)" | cut -c1-150
   done ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c"; exit 2 ;;
+s22a)  # session 22, issue 8: s21b's 2-layer drafter (carry out/d2.h5) trained further (--resume), alone on the GPU;
+  # the model back in 15 MB parts (its table runs in a later call)
+  step train_d2 ${DRAFT_TIMEOUT:-540} python3 -m kdt.cli train-drafter out/d2.h5 --resume \
+    --out /tmp/d2b.h5 --device cuda --minutes ${DRAFT_MIN:-7} --sequences 65536 --batch 256 --anchors 16 \
+    --seed ${DRAFT_SEED:-7} --lr ${DRAFT_LR:-0.0005} --eval-prompts 0
+  grep -h "eval\|wrote\|final" "$OUT/train_d2.log" | tail -n 4 | cut -c1-300
+  [ -f /tmp/d2b.h5 ] && parts /tmp/d2b.h5 ;;
+s22b)  # session 22, issue 8: the committed 2-layer drafter (s22a's): the ddtree and engine gpu tests beside kdt verify;
+  # issue 8's whole table (budgets 16 / 31 / 64 / 256, 3 rounds) recorded in a copy of the model (its drafter meta)
+  tests_beside_verifies "gpu or kernels" 200 tests/test_ddtree_kernels.py tests/test_engine_cuda.py
+  step table_full 200 python3 -m kdt.cli train-drafter fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 \
+    --budgets 16,31,64,256 --repeats 3 --out /tmp/model_code.h5 --json "$OUT/drafter-$day-model_code-cuda-s22b.json"
+  grep -h "budget\|chain\| ar " "$OUT/table_full.log" | cut -c1-150
+  [ -f /tmp/model_code.h5 ] && parts /tmp/model_code.h5 ;;
+s22c)  # session 22: issue 8's table at budgets 16 / 31, 3 rounds each, alternated on one machine: the 2-layer drafter
+  # (fixtures/model_code.h5) and the 3-layer one it replaced (carry out/d3.h5); kdt generate
+  for run in d2:150 d3:90 d2:90 d3:90; do
+    IFS=: read -r d t <<< "$run"
+    m=fixtures/model_code.h5; [ "$d" = d3 ] && m=out/d3.h5
+    step table_${d}_$SECONDS "$t" python3 -m kdt.cli train-drafter "$m" --eval-only \
+      --backend cuda --dtype bf16 --budgets 16,31 --repeats 3 \
+      --json "$OUT/drafter-$day-model_code-cuda-s22c-$d-$SECONDS.json"
+    grep -h "budget\|chain\| ar " "$(ls -t "$OUT"/table_*.log | head -1)" | cut -c1-150
+  done
+  step generate 90 python3 -m kdt.cli generate --model fixtures/model_code.h5 --prompt "def " -n 200 --backend cuda \
+    --dtype bf16
+  tail -n 25 "$OUT/generate.log" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -183,7 +183,7 @@ class StepGraph:
         self.record = cuda.mapped_array((2, 1 + n), np.int64)
         self.seq = cuda.to_device(np.zeros(1, np.int64))
         self.done = [cuda.event() if IS_SIM else cuda.event(timing=False) for _ in range(2)]
-        self.launched = 0  # steps launched since start(); the device's seq counts the same
+        self.launched = 0  # steps launched since start() (or a discard); the device's seq counts the same
         # launched, not yet read, oldest first: (count, drafted on the device, pending_ctx before it)
         self.in_flight: list[tuple[int, bool, bool]] = []
         self.pending_ctx = False  # the drafter holds context rows not yet in its cache (finish() adds them)
@@ -200,15 +200,24 @@ class StepGraph:
         the root (committed, not cached)."""
         if self.in_flight:
             raise RuntimeError("StepGraph.start with steps in flight: read or discard them first")
+        self._set_target(L, root)
+        self.pending_ctx = False
+        if self.draft_model is not None:  # its context holds [0, L) (the prefill's rows)
+            self._set_drafter(L)
+
+    def _set_target(self, L: int, root: int) -> None:
+        """The target's prefix L and root on the device; the step count (record row) from 0."""
         self.model.buf.L.copy_to_device(np.array([L], np.int64))
         self.ops.root.copy_to_device(np.array([root], np.int64))
         self.seq.copy_to_device(np.zeros(1, np.int64))
         self.launched = 0
+
+    def _set_drafter(self, L: int) -> None:
+        """The drafter's context [0, L) in its cache, none pending; the block of the current root staged."""
         dm = self.draft_model
-        if dm is not None:  # its context holds [0, L) (the prefill's rows): none pending; the first block staged
-            dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
-            dm.L_ctx.copy_to_device(np.array([L], np.int64))
-            self._stage_draft(True)
+        dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
+        dm.L_ctx.copy_to_device(np.array([L], np.int64))
+        self._stage_draft(True)
         self.pending_ctx = False
 
     def pipelines(self, budget: int) -> bool:
@@ -271,23 +280,16 @@ class StepGraph:
         forward wrote the read step's context rows into the drafter's cache, as ``finish`` would have."""
         if not self.in_flight:
             return
-        first, drafted, pending = self.in_flight[0]
+        _, drafted, pending = self.in_flight[0]
         if any(f[1] != drafted for f in self.in_flight):
             raise RuntimeError("StepGraph.discard: steps in flight of both kinds (drafted and not)")
         self.done[self.in_flight[-1][0] & 1].synchronize()
         self.dropped += len(self.in_flight)
         self.in_flight.clear()
-        self.launched = first
-        self.seq.copy_to_device(np.array([first], np.int64))
-        self.model.buf.L.copy_to_device(np.array([L], np.int64))
-        self.ops.root.copy_to_device(np.array([root], np.int64))
+        self._set_target(L, root)
         self.pending_ctx = pending
         if drafted:  # the dropped forward took the read step's context rows in: none pending, the block staged
-            dm = self.draft_model
-            dm.n_ctx.copy_to_device(np.zeros(1, np.int32))
-            dm.L_ctx.copy_to_device(np.array([L], np.int64))
-            self._stage_draft(True)
-            self.pending_ctx = False
+            self._set_drafter(L)
             if self.drafter is not None:
                 self.drafter.committed = L
 
