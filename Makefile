@@ -46,7 +46,8 @@ gen-ref: $(STAMP)  ## regenerate the golden fixture (only when the reference its
 	$(BIN)/kdt gen-ref --out $(FIXTURE)
 
 # The recipe of the committed demo model (on the H200): the target (session 5), its drafter (session 8), the
-# drafter trained further on fresh continuations (session 12: --resume --seed 1) and its acceptance table on
+# drafter trained further on fresh continuations (sessions 12-14: --resume, seeds 1-3), cut to its first two
+# layers and trained further (sessions 21-22: --resume --layers 2, seeds 6-7), and its acceptance table on
 # kdt's CUDA engine. Needs a CUDA GPU and the train extra; GPU training is
 # not bitwise repeatable, so the numbers come out close to, not equal to, docs/PERF.md's.
 train-demo: $(STAMP)  ## retrain fixtures/model_code.h5 (target + drafter) on a GPU, ~45 minutes
