@@ -27,7 +27,7 @@ def main(mode: str) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     if mode == "all":
-        lin.fuses_norm = lambda N, Kw: lin.FUSE_NORM
+        lin.fuses_norm = lambda N, Kw, M=None: lin.FUSE_NORM
     cfg = preset("moonlight-16b-a3b")
     t = load_target(cfg, None, "cuda", "bf16", max_len=1024, max_tokens=256)
     clock, rng, L = Clock("cuda"), np.random.default_rng(0), 512

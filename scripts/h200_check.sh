@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -31,11 +31,11 @@ tests_beside_verify() {  # tests_beside_verify PYTEST_ARGS...: gpu tests (280 s 
   wait
   grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_gpu.log" | cut -c1-300
 }
-tests_beside_verifies() {  # tests_beside_verifies MARK VERIFY_TIMEOUT PYTEST_ARGS...: the tests of MARK (300 s at most)
+tests_beside_verifies() {  # tests_beside_verifies MARK VERIFY_TIMEOUT PYTEST_ARGS...: the tests of MARK ($TEST_TIMEOUT s, 300)
   # and kdt verify of tiny (fp32) in the background, kdt verify of model_code (bf16) in the foreground, each in its
   # own process (cold compiles take minutes); then the verify lines and the tests' summary
   local mark=$1 vt=$2; shift 2
-  ( timeout 300 python3 -m pytest -q -m "$mark" "$@" -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1
+  ( timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m "$mark" "$@" -p no:cacheprovider -rf > "$OUT/pytest_gpu.log" 2>&1
     echo "rc=$?" >> "$OUT/pytest_gpu.log" ) &
   ( step verify_cuda_fp32 "$vt" python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
     printf '%s\n' "${summary[@]}" > "$OUT/verify_tiny.txt" ) &
@@ -905,7 +905,35 @@ s22c)  # session 22: issue 8's table at budgets 16 / 31, 3 rounds each, alternat
   step generate 90 python3 -m kdt.cli generate --model fixtures/model_code.h5 --prompt "def " -n 200 --backend cuda \
     --dtype bf16
   tail -n 25 "$OUT/generate.log" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c"; exit 2 ;;
+s23a)  # session 23, issue 7: where a Moonlight-16B AR step's time goes: every launch of the AR step and the oracle
+  # chain step in a graph (scripts/profile_graphs.py --preset), the MoE layer's launches as prefixes (bench_moe --parts)
+  step profile_moon 330 python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7 \
+    --json "$OUT/profile-graphs-$day-moonlight-s23a.json"
+  step moe_parts 200 python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 1,8 --parts \
+    --json "$OUT/moe-$day-moonlight-s23a.json"
+  grep -h "==\|  all \|step\|forward" "$OUT/profile_moon.log" | grep -v "^ *[0-9]" | cut -c1-150
+  tail -n 30 "$OUT/moe_parts.log" ;;
+s23b)  # session 23, issue 7: the split argmax and the norm folded into linear at M = 1: their gpu tests and the engine's
+  # beside kdt verify; the Moonlight AR step's programs and launches (profile_graphs --preset), then the programs with
+  # the norm fold off at M = 1 (KDT_LINEAR_FUSE_NORM_M=0)
+  tests_beside_verifies gpu 150 tests/test_kernels_elementwise.py tests/test_kernels_linear.py tests/test_engine_cuda.py
+  step profile_moon 200 python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7 --launches ar \
+    --json "$OUT/profile-graphs-$day-moonlight-s23b.json"
+  KDT_LINEAR_FUSE_NORM_M=0 step profile_moon_norm0 120 python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
+    --budget 7 --launches none --json "$OUT/profile-graphs-$day-moonlight-s23b-norm0.json"
+  for f in profile_moon profile_moon_norm0; do grep -h "==\|  all \|step  \|forward\|empty" "$OUT/$f.log" \
+    | grep -v "^ *[0-9]" | cut -c1-150; done ;;
+s23c)  # session 23, issue 7: the norm fold's block-wide squares: the split argmax's, the norm's and the engine's gpu
+  # tests beside kdt verify; the Moonlight AR step launch by launch (fold on at M = 1), then its programs with it off
+  TEST_TIMEOUT=330 tests_beside_verifies gpu 150 tests/test_kernels_elementwise.py tests/test_kernels_linear.py \
+    tests/test_engine_cuda.py -k "argmax or norm or cuda or stop"
+  step profile_moon 150 python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7 --launches ar \
+    --json "$OUT/profile-graphs-$day-moonlight-s23c.json"
+  KDT_LINEAR_FUSE_NORM_M=0 step profile_moon_norm0 170 python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
+    --budget 7 --launches none --json "$OUT/profile-graphs-$day-moonlight-s23c-norm0.json"
+  for f in profile_moon profile_moon_norm0; do grep -h "==\|  all \|step  \|forward\|empty" "$OUT/$f.log" \
+    | grep -v "^ *[0-9]" | cut -c1-150; done ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

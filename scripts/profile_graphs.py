@@ -2,6 +2,7 @@
 
     python scripts/profile_graphs.py [--model fixtures/model_code.h5] [--budget 16] [--prompt-len 128] [--json F]
     python scripts/profile_graphs.py --model fixtures/model_tiny.h5 --dtype float32 --budget 7   # the oracle chain
+    python scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7   # random weights drawn on the device
 
 The engine replays a greedy step from one CUDA graph, where a launch costs its kernel plus the graph's gap
 to the next node; eager profiles (scripts/profile_kernels.py) see neither. This script times:
@@ -37,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from profile_kernels import PhaseTags, _noop  # noqa: E402  (scripts/, this script's folder, is on sys.path)
 
+from kdt.config import preset  # noqa: E402
 from kdt.drafters import OracleDrafter, learned_drafter  # noqa: E402
 from kdt.engine import load_target  # noqa: E402
 from kdt.engine.cuda_model import ForwardGraphs  # noqa: E402
@@ -150,6 +152,8 @@ def per_launch(program, target, drafter, reps: int, title: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="fixtures/model_code.h5")
+    ap.add_argument("--preset", default=None, help="instead of --model: a preset's shape with random weights "
+                    "(moonlight-16b-a3b, kimi-k2 ...; the oracle drafter)")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--drafter", default="auto", help="auto (the fixture's learned drafter, else the oracle) | oracle")
     ap.add_argument("--block-size", type=int, default=8, help="the oracle's block (tree depth + 1)")
@@ -158,14 +162,20 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128,
                     help="prompt tokens: every timed replay runs at the L the warm-up leaves, about prompt + 50 "
                     "(issue 8's table: L 64..256)")
+    ap.add_argument("--launches", default="all", choices=("all", "ar", "none"),
+                    help="which steps to time launch by launch (all: the AR and the DDTree step)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    fx = read_fixture(args.model)
-    cfg = fx.config
-    learned = fx.drafter is not None and args.drafter != "oracle"
+    if args.preset:
+        fx, cfg, weights = None, preset(args.preset), None
+        args.model = f"preset {args.preset}"
+    else:
+        fx = read_fixture(args.model)
+        cfg, weights = fx.config, fx.weights
+    learned = fx is not None and fx.drafter is not None and args.drafter != "oracle"
     B = fx.drafter.config.block_size if learned else args.block_size
-    target = load_target(cfg, fx.weights, "cuda", args.dtype, max_len=4096, max_tokens=256)
+    target = load_target(cfg, weights, "cuda", args.dtype, max_len=4096, max_tokens=256)
     with open(__file__, "rb") as f:
         prompt = [b % cfg.vocab_size for b in f.read(args.prompt_len)]
     if learned:
@@ -214,8 +224,9 @@ def main() -> int:
     floor = out["programs_us"][f"empty kernel x{args.reps}"] / args.reps
     print(f"  an empty launch in a graph: {floor:.2f} us")
 
-    for name, program in (("AR step", lambda: step_ar._program((0, 1, 1, False), 0)),
-                          (f"{kind} step (budget {args.budget})", lambda: step._program(key, 0))):
+    steps = (("AR step", lambda: step_ar._program((0, 1, 1, False), 0)),
+             (f"{kind} step (budget {args.budget})", lambda: step._program(key, 0)))
+    for name, program in steps[: {"all": 2, "ar": 1, "none": 0}[args.launches]]:
         out[name] = per_launch(program, target, drafter, args.reps, name)
     if args.json:
         with open(args.json, "w") as f:

@@ -190,21 +190,24 @@ def _plant_ties(rng, row, positions):
     row[list(positions)] = row.max() + 1.0 + rng.random()
 
 
-def _check_argmax(logits):
+def _check_argmax(logits, scratch=None, reps=1):
+    """argmax_rows (split over blocks with ``scratch``) equals np.argmax on every row, ``reps`` launches in a
+    row (the split kernel's tickets must be back to 0 after each)."""
     M = logits.shape[0]
-    d_out = cuda.to_device(poisoned(M, np.int64))
-    ew.argmax_rows(cuda.to_device(logits), d_out)
-    out = d_out.copy_to_host()
     ref = np.argmax(logits, axis=-1)
-    bad = out != ref
-    assert not bad.any(), f"rows {np.nonzero(bad)[0]}: got {out[bad]}, want {ref[bad]}"
+    d_logits = cuda.to_device(logits)
+    for _ in range(reps):
+        d_out = cuda.to_device(poisoned(M, np.int64))
+        ew.argmax_rows(d_logits, d_out, scratch=scratch)
+        out = d_out.copy_to_host()
+        bad = out != ref
+        assert not bad.any(), f"rows {np.nonzero(bad)[0]}: got {out[bad]}, want {ref[bad]}"
 
 
-@pytest.mark.kernels
-def test_argmax_rows_sim(rng):
-    nt = ew.ARGMAX_THREADS
-    V = 2 * ew.ARGMAX_UNROLL * nt + 76  # two unrolled groups per thread plus a tail
-    L = rng.standard_normal((9, V), dtype=np.float32)
+def _argmax_cases(rng, nt, V, chunk):
+    """Rows with planted ties (one thread, one warp, the tail, across groups, threads and chunks), all equal,
+    all -inf, NaN (the first wins), the maximum at the ends."""
+    L = rng.standard_normal((11, V), dtype=np.float32)
     _plant_ties(rng, L[0], [5, 5 + nt])  # one thread, two loads of a group
     _plant_ties(rng, L[1], [40, 3])  # two lanes of one warp
     _plant_ties(rng, L[2], [V - 1, V - 2 - nt])  # in the tail
@@ -214,13 +217,39 @@ def test_argmax_rows_sim(rng):
     L[6, [V - 3, 200]] = np.nan  # NaN wins, first NaN
     _plant_ties(rng, L[7], [V - 1])  # maximum at the very end
     _plant_ties(rng, L[8], [0, V - 1])  # at both ends
-    _check_argmax(L)
+    _plant_ties(rng, L[9], [chunk + 7, chunk - 1, 3 * chunk])  # across chunks: the lowest index wins
+    L[10, [V - 1, chunk + 2]] = np.nan  # NaNs in two chunks
+    return L
+
+
+@pytest.mark.kernels
+def test_argmax_rows_sim(rng):
+    nt = ew.ARGMAX_THREADS
+    V = 2 * ew.ARGMAX_UNROLL * nt + 76  # two unrolled groups per thread plus a tail
+    _check_argmax(_argmax_cases(rng, nt, V, V // 4))
+
+
+@pytest.mark.kernels
+def test_argmax_rows_split_sim(rng):
+    """The split kernel: rows of 5 chunks (the last one short) of two unrolled groups each, launched twice."""
+    nt = ew.ARGMAX_SPLIT_THREADS
+    chunk = 2 * ew.ARGMAX_UNROLL * nt
+    V = 4 * chunk + 3 * nt + 5
+    scratch = ew.ArgmaxScratch(12, V, chunk=chunk)
+    assert scratch.S == 5 and scratch.chunk == chunk
+    _check_argmax(_argmax_cases(rng, nt, V, chunk), scratch, reps=2)
+    # a row too long for ARGMAX_SPLIT_THREADS chunks takes longer chunks; a scratch for another V is refused
+    assert ew.ArgmaxScratch(1, 3 * nt * chunk, chunk=chunk).S <= nt
+    with pytest.raises(ValueError, match="scratch"):
+        ew.argmax_rows(cuda.to_device(np.zeros((2, V + 1), np.float32)), cuda.device_array(2, np.int64),
+                       scratch=scratch)
 
 
 @pytest.mark.kernels
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("M", [1, 7, 256])
-def test_argmax_rows_gpu(rng, M):
+def test_argmax_rows_gpu(rng, M, split):
     V = 163840
     L = rng.standard_normal((M, V), dtype=np.float32)
     for m in range(M):
@@ -230,4 +259,7 @@ def test_argmax_rows_gpu(rng, M):
         L[1] = 0.5
         L[2, :] = -np.inf
         L[3, [V - 7, 99_999]] = np.nan
-    _check_argmax(L)
+    if M > 6:
+        _plant_ties(rng, L[5], [ew.ARGMAX_CHUNK + 1, ew.ARGMAX_CHUNK - 1])  # across two chunks
+        L[6, [V - 1, 2 * ew.ARGMAX_CHUNK]] = np.nan
+    _check_argmax(L, ew.ArgmaxScratch(M, V) if split else None, reps=2)

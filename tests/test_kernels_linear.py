@@ -136,12 +136,30 @@ V2_NORM_CASES = [(1, 37, 300, "bf16", False, 1, 1), (3, 21, 130, "f32", True, 4,
                  (17, 37, 300, "bf16", True, 16, 3), (5, 33, 71, "bf16", False, None, None)]
 
 
+# the GPU: Moonlight's [q | kv_a] and o_proj at M = 1 (the engine folds the norm there), f32 and a 16-token tile
+V2_NORM_GPU_CASES = [(1, 3648, 2048, "bf16", False, None, None), (1, 2048, 2048, "bf16", True, None, None),
+                     (1, 1000, 2048, "f32", False, 1, 4), (16, 600, 2048, "f32", True, 16, 2),
+                     (4, 3648, 2048, "bf16", False, 4, None)]
+
+
 @pytest.mark.kernels
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("M,N,K,wdtype,accumulate,tm,splits", V2_NORM_CASES)
 def test_linear_norm_sim(rng, monkeypatch, fused, M, N, K, wdtype, accumulate, tm, splits):
     """``norm``: y = rmsnorm(x; gw, eps) @ W^T (+ y) against float64, fused into linear_v2's staging (FUSE_NORM,
     the plan forced by tm / splits) or through elementwise.rmsnorm into a (then a is checked too); x unchanged."""
+    _check_linear_norm(rng, monkeypatch, fused, M, N, K, wdtype, accumulate, tm, splits)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,wdtype,accumulate,tm,splits", V2_NORM_GPU_CASES)
+def test_linear_norm_gpu(rng, monkeypatch, M, N, K, wdtype, accumulate, tm, splits):
+    """The fused norm on the H200 at the engine's shapes (the block-wide squares prologue)."""
+    _check_linear_norm(rng, monkeypatch, True, M, N, K, wdtype, accumulate, tm, splits)
+
+
+def _check_linear_norm(rng, monkeypatch, fused, M, N, K, wdtype, accumulate, tm, splits):
     monkeypatch.setattr(lin, "FUSE_NORM", fused)
     W_store, W_seen, _ = _weights(rng, N, K, wdtype)
     x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
@@ -160,20 +178,29 @@ def test_linear_norm_sim(rng, monkeypatch, fused, M, N, K, wdtype, accumulate, t
     np.testing.assert_array_equal(d_x.copy_to_host(), x)
 
 
-def test_linear_norm_fuses_small_weights_only(monkeypatch):
+def test_linear_norm_fuses_small_weights_or_few_tokens(monkeypatch):
     """The norm folds into linear_v2 for every projection of fixtures/model_code.h5 (target and drafter, at
-    most 1 M weight words) and for none of Moonlight's or Kimi-K2's (there it would re-read x per block)."""
+    most 1 M weight words) at any M, and for Moonlight's or Kimi-K2's only at M <= FUSE_NORM_MAX_M (at more
+    tokens it would re-read x per block), lm_head excepted (thousands of blocks would each pay the squares)."""
     from kdt.config import preset
     from kdt.fixture import read_config
 
     monkeypatch.setattr(lin, "FUSE_NORM", True)
+    monkeypatch.setattr(lin, "FUSE_NORM_MAX_M", 1)
     code = read_config(str(Path(__file__).resolve().parent.parent / "fixtures" / "model_code.h5"))
-    assert all(lin.fuses_norm(N, K // 2) for _, N, K in code.dense_projections())
-    assert lin.fuses_norm(2048, 256) and lin.fuses_norm(256, 1024)  # the drafter's float32 gate_up / down
+    for M in (None, 1, 17, 256):
+        assert all(lin.fuses_norm(N, K // 2, M) for _, N, K in code.dense_projections())
+        assert lin.fuses_norm(2048, 256, M) and lin.fuses_norm(256, 1024, M)  # the drafter's f32 gate_up / down
     for name in ("moonlight-16b-a3b", "kimi-k2"):
-        assert not any(lin.fuses_norm(N, K // 2) for _, N, K in preset(name).dense_projections()), name
+        big = preset(name).dense_projections()
+        assert [p for p, N, K in big if not lin.fuses_norm(N, K // 2, 1)] == (
+            ["lm_head"] if name == "moonlight-16b-a3b" else ["mlp_gate_up", "lm_head"]), name
+        for M in (None, 2, 16, 256):
+            assert not any(lin.fuses_norm(N, K // 2, M) for _, N, K in big), (name, M)
+    monkeypatch.setattr(lin, "FUSE_NORM_MAX_M", 0)
+    assert not lin.fuses_norm(2048, 1024, 1) and lin.fuses_norm(4, 4, 1)
     monkeypatch.setattr(lin, "FUSE_NORM", False)
-    assert not lin.fuses_norm(4, 4)
+    assert not lin.fuses_norm(4, 4) and not lin.fuses_norm(4, 4, 1)
 
 
 @pytest.mark.kernels

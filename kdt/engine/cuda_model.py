@@ -186,6 +186,7 @@ class Buffers:
         self.h = f32(M_max, moe.dense_mlp_scratch_cols(cfg.intermediate_size)) if cfg.first_k_dense_replace else None
         self.logits = f32(M_max, V)
         self.choice = cuda.device_array(M_max, dtype=np.int64)
+        self.argmax = ew.ArgmaxScratch(M_max, V)  # a long row's argmax split over blocks (one block: V <= 4096)
         # flash-decoding splits per token count, fixed for every L (splits past L+M stay empty), so
         # the launches of a forward depend on M alone and a CUDA graph can replay them
         self.attn_splits = [0] + [mla.mla_num_splits(max_len, m, H, Rkv, dr) for m in range(1, M_max + 1)]

@@ -120,7 +120,7 @@ class CudaTreeOps(TreeOps):
             return super().choose(np.asarray(logits), temperature, rng)
         M = logits.shape[0]
         out = self.model.buf.choice[:M]
-        ew.argmax_rows(logits.device, out)
+        ew.argmax_rows(logits.device, out, scratch=self.model.buf.argmax)
         return out.copy_to_host()
 
     def accept(self, tree, choice):
@@ -327,7 +327,7 @@ class StepGraph:
         n = min(budget, D * K) + 1  # best-first search pops every reachable candidate up to the budget
         stage_tree(t, n, m, s)
         m._program(n, s)
-        ew.argmax_rows(b.logits[:n], b.choice[:n], stream=s)
+        ew.argmax_rows(b.logits[:n], b.choice[:n], stream=s, scratch=b.argmax)
         kd.accept_gpu(t.first_child, t.next_sibling, t.tokens, b.choice[: ops.nmax].reshape(1, ops.nmax),
                       t.n_nodes, out=acc, stream=s)
         kd.compact_gpu(m.c_kv, m.k_pe, b.L, acc.accepted[0], acc.n_accepted, stream=s)

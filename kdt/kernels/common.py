@@ -36,6 +36,23 @@ if not IS_SIM:  # compiled kernels are kept on disk across runs (kdt.kernels.jit
 
 WARP = 32
 
+if IS_SIM:
+
+    def ldcg2(a, i, j):
+        """a[i, j] (simulator path: memory is coherent)."""
+        return a[i, j]
+
+else:
+    # the intrinsic behind cuda.ldcg: its @overload wrapper compiles through a device dispatcher that
+    # asks the driver for the current device, which the sm_90 compile check (no GPU) cannot answer
+    from numba import int64
+    from numba.cuda.cache_hints import ldcg_intrinsic
+
+    @cuda.jit(device=True, inline=True)
+    def ldcg2(a, i, j):
+        """a[i, j] through L2 only (ld.global.cg): data written by other blocks of the same launch."""
+        return ldcg_intrinsic(a, (int64(i), int64(j)))
+
 # (name, python function of the kernel or device function, signature tuple, is_device)
 PTX_REGISTRY: list[tuple[str, object, tuple, bool]] = []
 

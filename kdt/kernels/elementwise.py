@@ -19,7 +19,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint16
 
-from kdt.kernels.common import IS_SIM, WARP, cdiv, register_ptx, weight_loader
+from kdt.kernels.common import IS_SIM, WARP, cdiv, ldcg2, register_ptx, weight_loader
 
 __all__ = ["embedding", "rmsnorm", "silu_mul", "add", "argmax_rows"]
 
@@ -28,6 +28,12 @@ __all__ = ["embedding", "rmsnorm", "silu_mul", "add", "argmax_rows"]
 EW_THREADS = 32 if IS_SIM else 256  # elementwise kernels: one block covers EW_THREADS columns of a row
 NORM_THREADS = 32 if IS_SIM else 512  # rmsnorm: one block per row
 ARGMAX_THREADS = 32 if IS_SIM else 1024  # argmax: one block per row
+# the split argmax (argmax_split_kernel): blocks of ARGMAX_SPLIT_THREADS threads, ARGMAX_CHUNK logits each. One
+# 1024-thread block per row scanned Moonlight's 163840 logits in 29.6 us (session 23's AR step profile, H200):
+# one SM's share of the bandwidth. Split in 40 blocks of 4096 (two passes of 8 loads a thread), then the row's
+# last block reduces the 40 partials. Predicted: ~4 us.
+ARGMAX_SPLIT_THREADS = 32 if IS_SIM else 256
+ARGMAX_CHUNK = 4096
 ARGMAX_UNROLL = 8  # logits loaded per thread before they are compared (loads in flight)
 _INT32_MAX = 2**31 - 1
 
@@ -306,21 +312,14 @@ def copy(x, out, stream=0) -> None:
 
 
 # ---- argmax -----------------------------------------------------------------------------------------
-@cuda.jit
-def argmax_rows_kernel(logits, out):
-    """logits[M, V] f32, out[M] int64: out[m] = np.argmax(logits[m]) (first maximum; a NaN counts as
-    the maximum, like NumPy). grid = M blocks (one per row) of ARGMAX_THREADS threads; each thread scans
-    k = tid, tid + nt, .. in increasing order, ARGMAX_UNROLL loads in flight."""
-    red_v = cuda.shared.array(ARGMAX_THREADS, float32)
-    red_i = cuda.shared.array(ARGMAX_THREADS, int32)
-    m = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    V = logits.shape[1]
+@cuda.jit(device=True, inline=True)
+def _scan_argmax(logits, m, lo, hi, tid, nt):
+    """(value, index) of this thread's best logits[m, k], k = lo + tid, lo + tid + nt, .. < hi, scanned in
+    increasing order with ARGMAX_UNROLL loads in flight; (-inf, INT32_MAX) when it has none."""
     bv = float32(-np.inf)
     bi = int32(_INT32_MAX)  # loses every tie against a real index
-    base = 0
-    while base + (ARGMAX_UNROLL - 1) * nt + tid < V:  # full groups: loads first, then compares
+    base = lo
+    while base + (ARGMAX_UNROLL - 1) * nt + tid < hi:  # full groups: loads first, then compares
         v0 = logits[m, base + tid]
         v1 = logits[m, base + nt + tid]
         v2 = logits[m, base + 2 * nt + tid]
@@ -347,26 +346,96 @@ def argmax_rows_kernel(logits, out):
         if _better(v7, j + 7 * nt, bv, bi):
             bv, bi = v7, int32(j + 7 * nt)
         base += ARGMAX_UNROLL * nt
-    for k in range(base + tid, V, nt):  # tail
+    for k in range(base + tid, hi, nt):  # tail
         v = logits[m, k]
         if _better(v, int32(k), bv, bi):
             bv, bi = v, int32(k)
+    return bv, bi
+
+
+assert ARGMAX_UNROLL == 8  # _scan_argmax's body is written out for 8
+
+
+@cuda.jit
+def argmax_rows_kernel(logits, out):
+    """logits[M, V] f32, out[M] int64: out[m] = np.argmax(logits[m]) (first maximum; a NaN counts as
+    the maximum, like NumPy). grid = M blocks (one per row) of ARGMAX_THREADS threads."""
+    red_v = cuda.shared.array(ARGMAX_THREADS, float32)
+    red_i = cuda.shared.array(ARGMAX_THREADS, int32)
+    m = cuda.blockIdx.x
+    bv, bi = _scan_argmax(logits, m, 0, logits.shape[1], cuda.threadIdx.x, cuda.blockDim.x)
     best = _block_argmax(bv, bi, red_v, red_i)
-    if tid == 0:
+    if cuda.threadIdx.x == 0:
         out[m] = int64(best)
 
 
-assert ARGMAX_UNROLL == 8  # the kernel body above is written out for 8
+@cuda.jit
+def argmax_split_kernel(logits, out, part_v, part_i, tickets, chunk):
+    """The same result with each row split over the grid's x: grid = (S, M) blocks of ARGMAX_SPLIT_THREADS,
+    S = cdiv(V, chunk) <= ARGMAX_SPLIT_THREADS. Block (s, m) scans logits[m, s*chunk : (s+1)*chunk) into
+    part_v / part_i[m, s]; the block that takes row m's last ticket (tickets[m], back to 0 after) reduces
+    the S partials in the same order (value, then the lower index) and writes out[m]."""
+    red_v = cuda.shared.array(ARGMAX_SPLIT_THREADS, float32)
+    red_i = cuda.shared.array(ARGMAX_SPLIT_THREADS, int32)
+    flag = cuda.shared.array(1, int32)
+    s = cuda.blockIdx.x
+    m = cuda.blockIdx.y
+    S = cuda.gridDim.x
+    tid = cuda.threadIdx.x
+    lo = s * chunk
+    bv, bi = _scan_argmax(logits, m, lo, min(logits.shape[1], lo + chunk), tid, cuda.blockDim.x)
+    best = _block_argmax(bv, bi, red_v, red_i)
+    if tid == 0:
+        part_i[m, s] = best
+        part_v[m, s] = logits[m, best]
+        cuda.threadfence()
+        flag[0] = 1 if cuda.atomic.add(tickets, m, 1) == S - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return
+    cuda.threadfence()
+    bv = float32(-np.inf)
+    bi = int32(_INT32_MAX)
+    if tid < S:
+        bv = ldcg2(part_v, m, tid)
+        bi = ldcg2(part_i, m, tid)
+    best = _block_argmax(bv, bi, red_v, red_i)
+    if tid == 0:
+        out[m] = int64(best)
+        tickets[m] = 0  # every ticket of the row is taken: ready for the next launch
 
 
-def argmax_rows(logits, out, stream=0) -> None:
+class ArgmaxScratch:
+    """The split argmax's partials and tickets for up to M_max rows of V logits: part_v / part_i [M_max, S],
+    tickets [M_max] (zero between launches). ``chunk``: logits per block (ARGMAX_CHUNK, or more where V
+    would need more than ARGMAX_SPLIT_THREADS blocks a row)."""
+
+    def __init__(self, M_max: int, V: int, chunk: int | None = None, stream=0):
+        self.V = V
+        self.chunk = max(chunk or ARGMAX_CHUNK, cdiv(V, ARGMAX_SPLIT_THREADS))
+        self.S = cdiv(V, self.chunk)
+        self.part_v = cuda.device_array((M_max, self.S), np.float32, stream=stream)
+        self.part_i = cuda.device_array((M_max, self.S), np.int32, stream=stream)
+        self.tickets = cuda.to_device(np.zeros(M_max, np.int32), stream=stream)
+
+
+def argmax_rows(logits, out, stream=0, scratch: ArgmaxScratch | None = None) -> None:
     """out[m] = argmax(logits[m, :]) as int64, exactly np.argmax (ties -> lowest index, NaN wins).
 
-    logits: float32 [M, V] (V < 2^31); out: int64 [M]."""
+    logits: float32 [M, V] (V < 2^31); out: int64 [M]. With ``scratch`` (an :class:`ArgmaxScratch` for V
+    and at least M rows) a row longer than one chunk is split over blocks (:func:`argmax_split_kernel`);
+    without, or for a short row, one block a row scans it all."""
     M, V = logits.shape
     if tuple(out.shape) != (M,) or V == 0:
         raise ValueError(f"argmax_rows: logits {tuple(logits.shape)}, out {tuple(out.shape)}")
     if M == 0:
+        return
+    if scratch is not None and scratch.S > 1:
+        if scratch.V != V or scratch.part_v.shape[0] < M:
+            raise ValueError(f"argmax_rows: scratch for {scratch.part_v.shape[0]} rows of {scratch.V}, "
+                             f"logits {tuple(logits.shape)}")
+        argmax_split_kernel[(scratch.S, M), ARGMAX_SPLIT_THREADS, stream](
+            logits, out, scratch.part_v, scratch.part_i, scratch.tickets, scratch.chunk)
         return
     argmax_rows_kernel[M, ARGMAX_THREADS, stream](logits, out)
 
@@ -389,6 +458,7 @@ def _register() -> None:
     register_ptx(add_kernel, (f2, f2, f2))
     register_ptx(copy_kernel, (f2, f2))
     register_ptx(argmax_rows_kernel, (f2, int64[::1]))
+    register_ptx(argmax_split_kernel, (f2, int64[::1], f2, int32[:, ::1], int32[::1], int64))
 
 
 _register()

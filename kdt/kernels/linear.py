@@ -133,6 +133,16 @@ V2_SHRINK_WORDS = 3 << 20
 # scripts/ab_fused_norm.py all / rule, one machine, twice each: verify n = 16 / 64 / 256 at L = 512 fused
 # everywhere 14.45 / 41.22 / 132.3 ms, by the rule (none of its projections) 13.65 / 39.10 / 124.5 ms.
 FUSE_NORM = os.environ.get("KDT_LINEAR_FUSE_NORM", "1") == "1"
+# ... and at M <= FUSE_NORM_MAX_M (env KDT_LINEAR_FUSE_NORM_M; 0: small weights only) for every matrix of at most
+# FUSE_NORM_M_WORDS weight words. At one token the squares pass is one more 8 KB read per block, against a launch
+# of one 512-thread block (the rmsnorm: 2.9 us in the graph) and its ~0.7 us gap. Session 23, the Moonlight AR
+# step launch by launch (H200, docs/perf/profile-graphs-2026-12-02-moonlight-s23{a,c}.json): 55 rmsnorm launches,
+# 160 us; 28 of them go through ``linear``. Predicted ~3 us a layer, ~80 us of the 2.94 ms step. With the block-wide
+# squares prologue: [q | kv_a] 6.65 + 2.9 -> 8.3 us, the dense gate_up 26.0 + 2.9 -> 27.7, the AR step 2904 ->
+# 2842 us (same machine, the fold off / on); but lm_head 153.5 + 2.9 -> 163.9: its 5120 blocks (~5 waves) each
+# pay the prologue, so the vocabulary projection (168 M words) keeps the separate norm.
+FUSE_NORM_MAX_M = int(os.environ.get("KDT_LINEAR_FUSE_NORM_M", "1"))
+FUSE_NORM_M_WORDS = 1 << 26
 # silu(gate) * up folded into linear_v2's staging of x (``linear(..., glu=a)``: the dense MLP's down projection
 # reads gu[M, 2I] = [gate | up] itself): dense_mlp then takes 2 launches, not 3. Env KDT_LINEAR_FUSE_GLU, "1"
 # turns it on; OFF by default. Predicted: silu_mul's ~1.3 us of kernel and ~1 us of graph gap less per dense
@@ -444,8 +454,8 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
 
     Hot-loop indices are uint32 (Numba adds a negative-index wrap-around to every signed index) and
     each weight row is a 1-D view taken once, so a step costs NR loads and next to no integer work.
-    NORM: x is RMS-normalised as it is staged (y = rmsnorm(x; gw, eps) @ W^T): each warp first sums the
-    squares of whole rows of its token tile (rows warp, warp + WARPS, ..), rstd lands in shared rs[t].
+    NORM: x is RMS-normalised as it is staged (y = rmsnorm(x; gw, eps) @ W^T): the block first sums the
+    squares of every whole row of its token tile (each thread NT-strided columns), rstd lands in shared rs[t].
     GLU: x is [M, 2K] = [gate | up] and the staged value of column c is silu(x[m, c]) * x[m, c + K] (y =
     (silu(gate) * up) @ W^T), the expression of elementwise.silu_mul_kernel: the same float32 bits."""
     assert not (NORM and GLU), "one prologue at a time"
@@ -497,28 +507,44 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
             s(f"j_{u} = min(uint32(kbeg + {u * WARP} + lane), klast)")
             for r in R:
                 s(f"w_{u}_{r} = W[ro_{r} + j_{u}]")
-        if NORM:  # rstd of each row of the token tile (whole rows: K-splits each compute it)
+        if NORM:  # rstd of each row of the token tile (whole rows: K-splits each compute it), every thread of
+            # the block over every row: NT-strided columns, >= 4 loads in flight a thread (session 10's prologue,
+            # one warp a row, made a TM = 1 launch wait on one warp's 64 dependent trips: Moonlight's [q | kv_a]
+            # projection 6.7 -> 11.8 us at M = 1, session 23)
+            UN = max(1, 4 // TM)
             s("rs = cuda.shared.array(TM, float32)")
+            s("rsw = cuda.shared.array((WARPS, TM), float32)")
             s("K = x.shape[1]")
-            for q in range(-(-TM // WARPS)):  # the same trip count in every warp (barriers in the simulator)
-                s(f"t = warp + {q * WARPS}")
-                s("xr = x[min(m0 + t, M - 1)]")
-                s("ss = float32(0.0)")
-                with s.block("for k in range(lane, K, WARP):"):
-                    s("v = xr[k]")
-                    s("ss += v * v")
-                if IS_SIM:  # no shuffles in the simulator: through shared memory
-                    s("red[warp, 0, lane] = ss")
-                    s("cuda.syncthreads()")
-                    with s.block("if lane == 0:"):
-                        with s.block("for i in range(1, WARP):"):
-                            s("ss += red[warp, 0, i]")
-                    s("cuda.syncthreads()")
-                else:
+            for t in T:
+                s(f"xr_{t} = x[min(m0 + {t}, M - 1)]")
+            s(" = ".join(f"ss_{t}" for t in T) + " = float32(0.0)")
+            with s.block(f"for k0 in range(tid, K, {NT * UN}):"):
+                for q in range(UN):
+                    s(f"k = min(k0 + {q * NT}, K - 1)")
+                    for t in T:
+                        s(f"v = xr_{t}[k] if k0 + {q * NT} < K else float32(0.0)")
+                        s(f"ss_{t} += v * v")
+            if IS_SIM:  # no shuffles in the simulator: through shared memory
+                for t in T:
+                    s(f"red[warp, {t}, lane] = ss_{t}")
+                s("cuda.syncthreads()")
+                with s.block("if lane == 0:"):
+                    with s.block("for i in range(1, WARP):"):
+                        for t in T:
+                            s(f"ss_{t} += red[warp, {t}, i]")
+            else:
+                for t in T:
                     for off in (16, 8, 4, 2, 1):
-                        s(f"ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, {off})")
-                with s.block("if lane == 0 and t < TM:"):
-                    s("rs[t] = float32(1.0) / math.sqrt(ss / float32(K) + eps)")
+                        s(f"ss_{t} += cuda.shfl_xor_sync(0xFFFFFFFF, ss_{t}, {off})")
+            with s.block("if lane == 0:"):
+                for t in T:
+                    s(f"rsw[warp, {t}] = ss_{t}")
+            s("cuda.syncthreads()")
+            with s.block("if tid < TM:"):
+                s("ss = rsw[0, tid]")
+                for w in range(1, WARPS):
+                    s(f"ss += rsw[{w}, tid]")
+                s("rs[tid] = float32(1.0) / math.sqrt(ss / float32(K) + eps)")
             s("cuda.syncthreads()")
             for t in T:
                 s(f"nr_{t} = rs[{t}]")
@@ -732,7 +758,7 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> 
         x = glu
     if norm is not None:
         gw, eps, a = norm
-        if v2 and fuses_norm(*W.shape) and _v2_reads(W):
+        if v2 and fuses_norm(*W.shape, M) and _v2_reads(W):
             return linear_v2(x, W, y, accumulate, stream, norm=(gw, eps))
         ew.rmsnorm(x, gw, eps, a, stream=stream)
         x = a
@@ -742,10 +768,12 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> 
         linear_v1(x, W, y, accumulate, stream)
 
 
-def fuses_norm(N: int, Kw: int) -> bool:
-    """``linear(..., norm=...)`` folds the norm into linear_v2 for a weight [N, Kw words]: FUSE_NORM and a
-    small matrix (at most half the small-weight rule's V2_SHRINK_WORDS: 6 MB; see FUSE_NORM)."""
-    return FUSE_NORM and 2 * N * Kw <= V2_SHRINK_WORDS
+def fuses_norm(N: int, Kw: int, M: int | None = None) -> bool:
+    """``linear(..., norm=...)`` folds the norm into linear_v2 for a weight [N, Kw words] and M tokens: FUSE_NORM
+    and a small matrix (at most half the small-weight rule's V2_SHRINK_WORDS: 6 MB), or M <= FUSE_NORM_MAX_M and
+    at most FUSE_NORM_M_WORDS words (see FUSE_NORM); M None: the rule for any M (the small matrices)."""
+    few = M is not None and M <= FUSE_NORM_MAX_M and N * Kw <= FUSE_NORM_M_WORDS
+    return FUSE_NORM and (2 * N * Kw <= V2_SHRINK_WORDS or few)
 
 
 def fuses_glu(N: int, Kw: int) -> bool:

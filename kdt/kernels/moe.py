@@ -60,7 +60,7 @@ import numpy as np
 from numba import boolean, cuda, float32, float64, int32, int64, uint64
 
 from kdt.kernels import elementwise as ew
-from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, register_ptx
+from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, ldcg2, register_ptx
 from kdt.kernels.linear import linear
 
 # ---- compile-time maxima --------------------------------------------------------------------------
@@ -774,23 +774,15 @@ _V2_NRL = 2  # router-gate rows per logits block (all its warps split D)
 # tokens at M=64 (~6 tokens per expert: each weight row once), one combine per down tile.
 VERSION = int(os.environ.get("KDT_MOE_VERSION", "2"))
 
-if IS_SIM:
+_ldcg2 = ldcg2  # a[i, j] through L2 only: data written by other blocks of the same launch
 
-    def _ldcg2(a, i, j):
-        return a[i, j]
+if IS_SIM:
 
     def _ldcs3(a, i, j, k):
         return a[i, j, k]
 
 else:
-    # the intrinsic behind cuda.ldcg: its @overload wrapper compiles through a device dispatcher that
-    # asks the driver for the current device, which the sm_90 compile check (no GPU) cannot answer
-    from numba.cuda.cache_hints import ldcg_intrinsic, ldcs_intrinsic
-
-    @_device
-    def _ldcg2(a, i, j):
-        """a[i, j] through L2 only (ld.global.cg): data written by other blocks of the same launch."""
-        return ldcg_intrinsic(a, (int64(i), int64(j)))
+    from numba.cuda.cache_hints import ldcs_intrinsic
 
     @_device
     def _ldcs3(a, i, j, k):
