@@ -1,6 +1,7 @@
 """Where the host time of a one-program DDTree step goes (run on a GPU; not a test, not a benchmark).
 
-    python scripts/profile_step.py [fixtures/model_tiny.h5]
+    python scripts/profile_step.py [fixtures/model_tiny.h5]   # a fixture, float32
+    python scripts/profile_step.py moonlight-16b-a3b           # a preset: random bf16 weights drawn on the device
 
 Wraps the pieces of ``StepGraph.step`` (draft upload, graph launch, the event behind it and the wait for
 the GPU) and the drafter's ``draft`` with timers and prints microseconds per step for AR, the oracle at
@@ -13,6 +14,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from kdt.config import preset
 from kdt.drafters import OracleDrafter
 from kdt.engine import load_target
 from kdt.fixture import read_fixture
@@ -46,10 +48,14 @@ class TimedEvent:
         self.acc["wait for the GPU"] += time.perf_counter() - t0
 
 
-def main(path="fixtures/model_tiny.h5"):
-    fx = read_fixture(path)
-    cfg, V = fx.config, fx.config.vocab_size
-    target = load_target(cfg, fx.weights, "cuda", "float32", 512, max_tokens=256)
+def main(source="fixtures/model_tiny.h5"):
+    if source.endswith(".h5"):
+        fx = read_fixture(source)
+        cfg, weights, dtype = fx.config, fx.weights, "float32"
+    else:
+        cfg, weights, dtype = preset(source), None, "bf16"
+    V = cfg.vocab_size
+    target = load_target(cfg, weights, "cuda", dtype, 512, max_tokens=256)
     prompt = np.arange(64) % V
     ar = ar_generate(target, prompt, 64)
     seq = np.concatenate([prompt, ar.tokens, np.zeros(64, np.int64)])
