@@ -181,7 +181,8 @@ def _check_linear_norm(rng, monkeypatch, fused, M, N, K, wdtype, accumulate, tm,
 def test_linear_norm_fuses_small_weights_or_few_tokens(monkeypatch):
     """The norm folds into linear_v2 for every projection of fixtures/model_code.h5 (target and drafter, at
     most 1 M weight words) at any M, and for Moonlight's or Kimi-K2's only at M <= FUSE_NORM_MAX_M (at more
-    tokens it would re-read x per block), lm_head excepted (thousands of blocks would each pay the squares)."""
+    tokens it would re-read x per block), the matrices over FUSE_NORM_M_WORDS excepted (lm_head; Kimi-K2's dense
+    gate_up too: thousands of blocks would each pay the squares)."""
     from kdt.config import preset
     from kdt.fixture import read_config
 
