@@ -36,11 +36,15 @@ if not IS_SIM:  # compiled kernels are kept on disk across runs (kdt.kernels.jit
 
 WARP = 32
 
-if IS_SIM:
+# ldcg2 / ldcg3: a[i, j] / a[i, j, k] through L2 only (ld.global.cg), for data other blocks of the same launch
+# wrote (split partials, tickets' results)
+if IS_SIM:  # memory is coherent
 
     def ldcg2(a, i, j):
-        """a[i, j] (simulator path: memory is coherent)."""
         return a[i, j]
+
+    def ldcg3(a, i, j, k):
+        return a[i, j, k]
 
 else:
     # the intrinsic behind cuda.ldcg: its @overload wrapper compiles through a device dispatcher that
@@ -50,8 +54,11 @@ else:
 
     @cuda.jit(device=True, inline=True)
     def ldcg2(a, i, j):
-        """a[i, j] through L2 only (ld.global.cg): data written by other blocks of the same launch."""
         return ldcg_intrinsic(a, (int64(i), int64(j)))
+
+    @cuda.jit(device=True, inline=True)
+    def ldcg3(a, i, j, k):
+        return ldcg_intrinsic(a, (int64(i), int64(j), int64(k)))
 
 # (name, python function of the kernel or device function, signature tuple, is_device)
 PTX_REGISTRY: list[tuple[str, object, tuple, bool]] = []

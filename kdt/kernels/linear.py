@@ -67,7 +67,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from kdt.kernels import elementwise as ew
-from kdt.kernels.common import IS_SIM, WARP, Src, bf16_to_f32, cdiv, jit_source, register_ptx
+from kdt.kernels.common import IS_SIM, WARP, Src, bf16_to_f32, cdiv, jit_source, ldcg3, register_ptx
 from kdt.reference.ops import linear as linear_ref  # noqa: F401  (re-exported for tests / callers)
 
 __all__ = ["linear", "linear_v1", "linear_v2", "linear_ref", "SKINNY_MAX_M"]
@@ -664,29 +664,13 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
     return s.text()
 
 
-if IS_SIM:
-
-    def _ldcg3(a, i, j, k):
-        return a[i, j, k]
-
-else:
-    # the intrinsic behind cuda.ldcg (its @overload wrapper asks the driver for the current device,
-    # which the sm_90 compile check without a GPU cannot answer; kdt.kernels.moe does the same)
-    from numba.cuda.cache_hints import ldcg_intrinsic
-
-    @cuda.jit(device=True, inline=True)
-    def _ldcg3(a, i, j, k):
-        """a[i, j, k] through L2 only (ld.global.cg): partial sums other blocks of the launch wrote."""
-        return ldcg_intrinsic(a, (int64(i), int64(j), int64(k)))
-
-
 @cache
 def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int, norm: bool = False, glu: bool = False):
     """The v2 kernel for one weight kind and (TM, NR, U, warps); ``norm``: the RMS-normalising variant;
     ``glu``: the variant that stages silu(gate) * up of x = [gate | up]."""
     _, PACK, _ = _KINDS[kind]
     prm = _v2_params(kind, TM, NR, U, warps)
-    ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, math=math, WARP=WARP, ldcg3=_ldcg3,
+    ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, math=math, WARP=WARP, ldcg3=ldcg3,
               XS_SHAPE=(PACK, TM, prm["KCW"]), RED_SHAPE=(warps, min(prm["NV"], WARP), WARP))
     if IS_SIM:
         ns.update(unpack_lo=_v2_lo, unpack_hi=_v2_hi, unpack_b=_v2_bf16)

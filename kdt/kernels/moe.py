@@ -774,8 +774,6 @@ _V2_NRL = 2  # router-gate rows per logits block (all its warps split D)
 # tokens at M=64 (~6 tokens per expert: each weight row once), one combine per down tile.
 VERSION = int(os.environ.get("KDT_MOE_VERSION", "2"))
 
-_ldcg2 = ldcg2  # a[i, j] through L2 only: data written by other blocks of the same launch
-
 if IS_SIM:
 
     def _ldcs3(a, i, j, k):
@@ -890,7 +888,7 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
     topk_idx[m], topk_w[m] and sh_idx[m*k + r] only when ``valid``."""
     one = float32(1.0)
     for e in range(lane, E, WARP):
-        s = one / (one + math.exp(-_ldcg2(logits, m, e)))
+        s = one / (one + math.exp(-ldcg2(logits, m, e)))
         sh_s[w, e] = s
         sh_c[w, e] = s + bias[e]
     _warp_sync()
@@ -1054,7 +1052,7 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                         return
                     cuda.threadfence()
                     for i in range(tid, P, NT):
-                        sh_idx[i] = _ldcg2(topk_idx, i // top_k, i % top_k)
+                        sh_idx[i] = ldcg2(topk_idx, i // top_k, i % top_k)
                     cuda.syncthreads()
             # ---- group the P pairs by expert (counting sort, token order within an expert) ----------
             for i in range(tid, P, NT):
@@ -1311,7 +1309,7 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
             if d < D:
                 s_acc = float32(0.0)
                 for s in range(k):
-                    s_acc += topk_w[m, s] * _ldcg2(y, pos_of[m, s], d)
+                    s_acc += topk_w[m, s] * ldcg2(y, pos_of[m, s], d)
                 v = out[m, d] if accumulate else float32(0.0)
                 if has_shared:
                     v = v + y_shared[m, d]
