@@ -42,10 +42,13 @@ from kdt.kernels.bench import copy_bandwidth, moe_layer, rand, time_us  # noqa: 
 def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tiles]]:
     """The default launch shape with one of the recent changes undone (name, tiles): kernel A routing all M
     tokens in one block, kernel C's experts per block by M alone (session 10); kernel A's token tiles by M
-    alone (session 11)."""
+    alone (session 11); kernels A and B as two launches (session 24)."""
     t = moe.v2_tiles(M, k, E, D)
     r = dataclasses.replace
     old = [("A_one_router", r(t, rt=False))] if M > t.tt_s else []
+    if t.ab:  # session 24: kernels A and B in one launch (and its register cap)
+        old.append(("A_B_apart", r(t, ab=False)))
+        old += [(f"AB_regs{n}", r(t, ab_regs=n)) for n in (0, 80, 96) if n != t.ab_regs]
     by_m = moe._v2_tiles_by_m(M, k)
     if by_m.jc != t.jc:
         old.append(("C_jc_by_M", r(t, jc=by_m.jc)))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -938,7 +938,48 @@ s23d)  # session 23, issue 7: kdt bench on the Moonlight shape with the final co
   step bench_moonlight ${BENCH_TIMEOUT:-430} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s23d.json"
   tail -n 45 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d"; exit 2 ;;
+s24b)  # session 24, issue 7: kernel AB (MoE kernels A and B in one launch at M = 1): the MoE layer at M = 1 with it and
+  # apart (bench_moe --previous), the Moonlight AR step's programs with it on and off (KDT_MOE_AB_M=0), then its gpu
+  # tests (64 forwards against A and B apart, Moonlight at every M, Kimi K2, model_code's shape)
+  step moe_ab 200 python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 1,8 --previous \
+    --json "$OUT/moe-$day-moonlight-s24b.json"
+  step profile_moon 170 python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7 --launches none \
+    --json "$OUT/profile-graphs-$day-moonlight-s24b.json"
+  KDT_MOE_AB_M=0 step profile_moon_ab0 150 python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
+    --budget 7 --launches none --json "$OUT/profile-graphs-$day-moonlight-s24b-ab0.json"
+  step pytest_moe ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_kernels_moe.py -p no:cacheprovider -rf \
+    -k "ab_repeated or moonlight or kimi or code_shape"
+  grep -h "moonlight" "$OUT/moe_ab.log" | cut -c1-150
+  for f in profile_moon profile_moon_ab0; do grep -h "==\|  all \|step  \|forward\|empty" "$OUT/$f.log" \
+    | grep -v "^ *[0-9]" | cut -c1-150; done
+  grep -h "^FAILED\|^ERROR\|passed\|failed" "$OUT/pytest_moe.log" | cut -c1-300 ;;
+s24c)  # session 24, issue 7: kernel AB with a register cap (the uncapped kernel: 128 registers, 4 blocks an SM, against
+  # kernel B's 79): the MoE layer at M = 1 with it, capped at 80 / 96 and apart; then kernel AB's gpu tests (64
+  # forwards against A and B apart, Moonlight's and Kimi K2's layer at M = 1, model_code's shape at M = 1)
+  step moe_ab 260 python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 1 --previous \
+    --json "$OUT/moe-$day-moonlight-s24c.json"
+  step pytest_moe ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_kernels_moe.py -p no:cacheprovider -rf \
+    -s -k "ab_repeated or kimi or 1-fp32-2 or 1-bf16-2 or 16-bf16-2 or code_shape and 1-2"
+  grep -h "moonlight" "$OUT/moe_ab.log" | cut -c1-150
+  grep -h "rel_err\|^FAILED\|^ERROR\|passed\|failed" "$OUT/pytest_moe.log" | cut -c1-300 ;;
+s24d)  # session 24, issue 7: kdt bench on the Moonlight shape with kernel AB (alone on the GPU); then where the host
+  # work of a Moonlight DDTree step goes (scripts/profile_step.py, the wait blocking and spinning) beside kdt verify
+  step bench_moonlight ${BENCH_TIMEOUT:-360} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s24d.json"
+  ( step verify_cuda_fp32 150 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+    step verify_code_cuda 150 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+    printf '%s\n' "${summary[@]}" > "$OUT/verify_summary.txt" ) &
+  step profile_step_moon 170 python3 scripts/profile_step.py moonlight-16b-a3b
+  wait
+  tail -n 45 "$OUT/bench_moonlight.log" | cut -c1-160
+  grep -v "^ *$" "$OUT/profile_step_moon.log" | tail -n 6 | cut -c1-250
+  cat "$OUT/verify_summary.txt"; grep -h "PASS\|FAIL" "$OUT"/verify_*.log | tail -n 4 ;;
+s24e)  # session 24, issue 7: the host work of a Moonlight DDTree step alone on the machine, runs of 64 and 256 tokens
+  # (does a one-time cost of a run, spread over its 8 steps, make the 145-211 us?)
+  step profile_step_64 150 python3 scripts/profile_step.py moonlight-16b-a3b 64
+  step profile_step_256 100 python3 scripts/profile_step.py moonlight-16b-a3b 256
+  grep -hv "^ *$" "$OUT/profile_step_64.log" "$OUT/profile_step_256.log" | grep "steps" | cut -c1-250 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -2,10 +2,12 @@
 
     python scripts/profile_step.py [fixtures/model_tiny.h5]   # a fixture, float32
     python scripts/profile_step.py moonlight-16b-a3b           # a preset: random bf16 weights drawn on the device
+    python scripts/profile_step.py moonlight-16b-a3b 256       # 256 tokens a run (default 64): one-time costs spread
 
 Wraps the pieces of ``StepGraph.step`` (draft upload, graph launch, the event behind it and the wait for
 the GPU) and the drafter's ``draft`` with timers and prints microseconds per step for AR, the oracle at
-budget 64 and the oracle chain.
+budget 64 and the oracle chain, each with the engine's wait for the GPU (``kdt.engine.cuda_step.wait_for``: a loop of
+event queries, or with KDT_STEP_WAIT=block the blocking synchronize); then the budget-64 oracle with the other wait.
 """
 
 import sys
@@ -17,6 +19,7 @@ import numpy as np
 from kdt.config import preset
 from kdt.drafters import OracleDrafter
 from kdt.engine import load_target
+from kdt.engine.cuda_step import SPIN_WAIT
 from kdt.fixture import read_fixture
 from kdt.reference.decode import ar_generate, generate
 
@@ -34,8 +37,8 @@ class TimedEvent:
     """An event behind a step's program (a step graph has two, used in turn): the record call and the wait
     (synchronize) timed."""
 
-    def __init__(self, event, acc):
-        self.event, self.acc = event, acc
+    def __init__(self, event, acc, spin=False):
+        self.event, self.acc, self.spin = event, acc, spin
 
     def record(self):
         t0 = time.perf_counter()
@@ -44,11 +47,15 @@ class TimedEvent:
 
     def synchronize(self):
         t0 = time.perf_counter()
-        self.event.synchronize()
+        if self.spin:
+            while not self.event.query():
+                pass
+        else:
+            self.event.synchronize()
         self.acc["wait for the GPU"] += time.perf_counter() - t0
 
 
-def main(source="fixtures/model_tiny.h5"):
+def main(source="fixtures/model_tiny.h5", tokens="64"):
     if source.endswith(".h5"):
         fx = read_fixture(source)
         cfg, weights, dtype = fx.config, fx.weights, "float32"
@@ -56,12 +63,15 @@ def main(source="fixtures/model_tiny.h5"):
         cfg, weights, dtype = preset(source), None, "bf16"
     V = cfg.vocab_size
     target = load_target(cfg, weights, "cuda", dtype, 512, max_tokens=256)
+    n_new = int(tokens)
     prompt = np.arange(64) % V
-    ar = ar_generate(target, prompt, 64)
+    ar = ar_generate(target, prompt, n_new)
     seq = np.concatenate([prompt, ar.tokens, np.zeros(64, np.int64)])
-    for name, budget in (("AR", 0), ("oracle b64", 64), ("oracle chain", 7)):
+    eng = SPIN_WAIT  # the engine's wait (kdt.engine.cuda_step.wait_for), then the other one
+    for name, budget, spin in (("AR", 0, eng), ("oracle b64", 64, eng), ("oracle chain", 7, eng),
+                               (f"oracle b64, {'blocking' if eng else 'spin'} wait", 64, not eng)):
         d = OracleDrafter(seq, V) if budget else None
-        generate(target, prompt, 64, drafter=d, budget=budget, block_size=8)  # warm-up: graphs captured
+        generate(target, prompt, n_new, drafter=d, budget=budget, block_size=8)  # warm-up: graphs captured
         d = OracleDrafter(seq, V) if budget else None
         step = target.tree_ops.device_step(d)
         acc = defaultdict(float)
@@ -69,15 +79,16 @@ def main(source="fixtures/model_tiny.h5"):
         saved = ops.upload_draft, step.graphs.run, step.done
         ops.upload_draft = timed(acc, "upload draft", ops.upload_draft)
         step.graphs.run = timed(acc, "graph launch", step.graphs.run)
-        step.done = [TimedEvent(e, acc) for e in step.done]
+        step.done = [TimedEvent(e, acc, spin) for e in step.done]
         if d is not None:
             d.draft = timed(acc, "drafter.draft (host)", d.draft)
         t0 = time.perf_counter()
-        res = generate(target, prompt, 64, drafter=d, budget=budget, block_size=8)
+        res = generate(target, prompt, n_new, drafter=d, budget=budget, block_size=8)
         wall = time.perf_counter() - t0
         ops.upload_draft, step.graphs.run, step.done = saved
         n = res.steps
-        parts = ", ".join(f"{k} {v / n * 1e6:.0f}" for k, v in acc.items())
+        rest = res.host_s - sum(v for k, v in acc.items() if k != "wait for the GPU")
+        parts = ", ".join(f"{k} {v / n * 1e6:.0f}" for k, v in acc.items()) + f", the rest {rest / n * 1e6:.0f}"
         print(f"{name}: {n} steps, {wall / n * 1e6:.0f} us/step wall, host_s {res.host_s / n * 1e6:.0f} us; {parts}")
 
 

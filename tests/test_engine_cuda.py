@@ -400,3 +400,37 @@ def test_cuda_tree_ops_accept_follows_sampled_choices(rng):
     accepted, bonus = ops.accept(tree, choice)
     want, want_bonus = follow_verified_tree(ref, choice)
     assert accepted.tolist() == list(want) and bonus == want_bonus and len(accepted) > 1
+
+
+def test_wait_for_polls_or_blocks():
+    """The host's wait for a step (kdt.engine.cuda_step.wait_for): with spin, queries until the event is done and
+    never blocks; without, one blocking synchronize; an event without query (the simulator's) blocks."""
+    from kdt.engine.cuda_step import wait_for
+
+    class Event:
+        def __init__(self, busy):
+            self.busy, self.queries, self.syncs = busy, 0, 0
+
+        def query(self):
+            self.queries += 1
+            return self.queries > self.busy
+
+        def synchronize(self):
+            self.syncs += 1
+
+    e = Event(busy=3)
+    wait_for(e, spin=True)
+    assert (e.queries, e.syncs) == (4, 0)
+    e = Event(busy=3)
+    wait_for(e, spin=False)
+    assert (e.queries, e.syncs) == (0, 1)
+
+    class NoQuery:
+        syncs = 0
+
+        def synchronize(self):
+            self.syncs += 1
+
+    n = NoQuery()
+    wait_for(n, spin=True)
+    assert n.syncs == 1

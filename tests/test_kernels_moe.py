@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -494,6 +495,7 @@ def _check_v2_state(cfg, b, w, scratch, M):
     assert scratch.n_active.copy_to_host()[0] == len(active)
     np.testing.assert_array_equal(scratch.active.copy_to_host()[: len(active)], active)
     assert not scratch.counter.copy_to_host().any() and not scratch.tickets.copy_to_host().any()
+    assert not scratch.sync.copy_to_host().any(), "kernel AB must leave its tickets and flags at zero"
 
 
 # simulator launch shapes beside the default one: odd tiles (1-warp blocks, 1-2 rows per warp, 3-token
@@ -511,6 +513,11 @@ V2_SIM_TILES = {
     # kernel A's last logits block routes all M tokens (no token tiles)
     "one_router": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, cs_s=False,
                               rt=False),
+    # kernels A and B in one launch (kernel AB) at M > 1: B's shared-down role blocks first / last
+    "ab_sdf": moe.V2Tiles(nw=2, nr=2, u=3, tt=2, tt_s=3, u_l=1, nw_c=1, nr_c=2, tt_c=3, u_c=3, jc=2, cs=False,
+                          cs_s=True, sd_first=True, ab=True),
+    "ab_shared_last": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2,
+                                  cs_s=False, ab=True),
 }
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
@@ -528,6 +535,11 @@ V2_CASES = [
     (_V2_GROUPED, np.float32, 2, False, False, "wide"),
     (_V2_SKEW, np.float32, 11, True, True, "sdf"),
     (_V2_GROUPED, BF16, 9, False, False, "one_router"),
+    # kernel AB: the default at M = 1 (with a shared expert; _V2_DECODE above has none), and at M > 1 with
+    # several token tiles (the grouping block is the last tile's router) and B's shared-down blocks either side
+    (_V2_GROUPED, BF16, 1, True, False, "default"),
+    (_V2_SKEW, np.float32, 11, True, True, "ab_sdf"),
+    (_V2_GROUPED, BF16, 5, False, False, "ab_shared_last"),
 ]
 
 
@@ -559,6 +571,32 @@ def test_moe_forward_v2(rng, overrides, dtype, M, accumulate, skew, tiles):
         np.testing.assert_array_equal(again, got)
 
 
+@pytest.mark.kernels
+def test_moe_forward_ab_reruns(rng):
+    """Kernel AB (kernels A and B in one launch, the default at M = 1) three times on one scratch with new
+    tokens each time, each against the float64 layer and bit-identical to kernels A and B apart: the launch
+    must leave its tickets and flags at zero (left set, the next launch's blocks take the wrong roles or pass
+    their waits before A has written)."""
+    cfg = _cfg(**_V2_GROUPED)
+    w = _layer_weights(rng, cfg)
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
+    scratch = moe.MoEScratch.allocate(cfg, 2)
+    assert moe.v2_tiles(1, cfg.num_experts_per_tok).ab
+    assert [ln.name[:2] for ln in moe.v2_launches(None, layer, scratch, None, 1, False)] == ["AB", "C "]
+    apart = replace(moe.v2_tiles(1, cfg.num_experts_per_tok), ab=False)
+    for _ in range(3):
+        b = _draw_b(rng, cfg, w, 1)
+        d_b = cuda.to_device(b)
+        outs = []
+        for tiles in (None, apart):
+            out = cuda.to_device(poisoned((1, cfg.hidden_size)))
+            moe.moe_forward(d_b, layer, scratch, out, M=1, accumulate=False, version=2, tiles=tiles)
+            outs.append(out.copy_to_host())
+            _check_v2_state(cfg, b, w, scratch, 1)
+        assert rel_err(outs[0], MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))) < BF16_BOUND
+        np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_v2_tiles_and_fallback():
     """Launch shapes depend on M alone (CUDA graphs); M * k above V2_MAX_PAIRS runs version 1."""
     for M in (1, 2, 5, 16, 17, 64, 256):
@@ -587,7 +625,8 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
         c = preset(name)
         for M in (1, 8, 16, 17, 64, 256):
             k = c.num_experts_per_tok
-            assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == moe._v2_tiles_by_m(M, k), (name, M)
+            assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == \
+                replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M), (name, M)
 
 
 def test_pack_experts_layout(rng):
@@ -653,6 +692,26 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     assert err < bound
     if dtype == BF16:
         assert rel_err(got, cache["fp32_ref"](b.astype(np.float64))) < BF16_VS_FP32_BOUND
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+def test_moe_ab_repeated_moonlight_gpu(rng, moonlight):
+    """Kernel AB (kernels A and B in one launch, Moonlight's M = 1 default) 64 times on one scratch, new tokens
+    each time: each output bit-identical to kernels A and B apart (a block that passed its wait before A had
+    written, or a launch that left its flags up, reads stale rows), the scratch's tickets and flags at zero."""
+    cfg, w, cache = moonlight
+    layer = cache[BF16][0] if BF16 in cache else moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
+    scratch = moe.MoEScratch.allocate(cfg, 1)
+    k = cfg.num_experts_per_tok
+    apart = replace(moe.v2_tiles(1, k, cfg.n_routed_experts, cfg.hidden_size), ab=False)
+    out_ab, out_apart = (cuda.to_device(poisoned((1, cfg.hidden_size))) for _ in range(2))
+    for i in range(64):
+        d_b = cuda.to_device(_draw_b(rng, cfg, w, 1))
+        moe.moe_forward(d_b, layer, scratch, out_ab, M=1, accumulate=False, version=2)
+        moe.moe_forward(d_b, layer, scratch, out_apart, M=1, accumulate=False, version=2, tiles=apart)
+        np.testing.assert_array_equal(out_ab.copy_to_host(), out_apart.copy_to_host(), err_msg=f"forward {i}")
+    assert not scratch.sync.copy_to_host().any()
 
 
 @pytest.mark.kernels

@@ -165,6 +165,21 @@ def drafts_on_device(drafter, model: CudaModel) -> bool:
 
 # Launch a device-drafted (or AR) step before the previous step's tokens are read (env KDT_STEP_AHEAD=0: never)
 STEP_AHEAD = os.environ.get("KDT_STEP_AHEAD", "1") != "0"
+# The host waits for a step by polling its event (env KDT_STEP_WAIT=block: the driver's blocking synchronize). After
+# a long blocking wait the host's next Python runs 3-7x slower: H200, Moonlight-16B's oracle budget-64 step (38 ms on
+# the GPU), 32 steps, `scripts/profile_step.py moonlight-16b-a3b 256` (session 24, s24e): host work 238 us a step
+# blocking (the event record alone 24 us, 3 us after the 7 ms chain step), 79 us polling; the chain step 33 us.
+SPIN_WAIT = os.environ.get("KDT_STEP_WAIT", "spin") != "block"
+
+
+def wait_for(event, spin: bool = SPIN_WAIT) -> None:
+    """Until the work before ``event`` is done: a loop of queries with ``spin`` (the simulator's events have no
+    query: they are always done), else the event's blocking synchronize."""
+    if spin and hasattr(event, "query"):
+        while not event.query():
+            pass
+    else:
+        event.synchronize()
 
 
 class StepGraph:
@@ -261,7 +276,7 @@ class StepGraph:
         """The tokens committed by the oldest step in flight (waits for it: the steps' only synchronisation)."""
         i = self.in_flight.pop(0)[0]
         t1 = time.perf_counter()
-        self.done[i & 1].synchronize()
+        wait_for(self.done[i & 1])
         self.wait_s += time.perf_counter() - t1
         row = self.record[i & 1]
         n = int(row[0])

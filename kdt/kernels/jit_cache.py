@@ -11,8 +11,8 @@ change to a device function in another module would be missed). So kdt keys ever
   captured (numbers, strings, dtypes as text; device functions by the same key); a value with no
   stable description (its text holds an address) makes the key unique to this process: a miss, never
   a wrong hit;
-- every ``KDT_*`` environment variable (kernel version switches), and numba-cuda's own key (the
-  signature, the target architecture, numba-cuda's version).
+- every ``KDT_*`` environment variable (kernel version switches), the kernel's jit options (e.g.
+  ``max_registers``), and numba-cuda's own key (the signature, the target architecture, numba-cuda's version).
 
 :func:`install` attaches such a cache to every kdt kernel the first time it compiles (one hook on
 numba-cuda's ``CUDADispatcher.compile``; the stored object is numba-cuda's own: PTX and cubin).
@@ -98,6 +98,11 @@ def is_kdt_kernel(py_func) -> bool:
 _installed = False
 
 
+def _options_key(options: dict) -> str:
+    """The jit options that change the code (e.g. ``max_registers``) as text for the key."""
+    return repr(sorted((k, v) for k, v in options.items() if isinstance(v, (bool, int, float, str, type(None)))))
+
+
 def install() -> bool:
     """Attach the disk cache to every kdt kernel at its first compile. Returns whether it is on."""
     global _installed
@@ -137,8 +142,8 @@ def install() -> bool:
             self._filename_base = self.get_filename_base(py_func.__qualname__, "")
 
     class KdtCache(CUDACache):
-        def __init__(self, py_func):
-            self._kdt_key = hashlib.sha256((stamp + function_key(py_func)).encode()).hexdigest()
+        def __init__(self, py_func, options: str = ""):
+            self._kdt_key = hashlib.sha256((stamp + function_key(py_func) + options).encode()).hexdigest()
             self._impl_class = lambda f: Impl(f, self._kdt_key)
             super().__init__(py_func)
 
@@ -153,7 +158,7 @@ def install() -> bool:
     def compile_with_disk_cache(self, sig):
         if type(self._cache) is NullCache and is_kdt_kernel(self.py_func):
             try:
-                self._cache = KdtCache(self.py_func)
+                self._cache = KdtCache(self.py_func, _options_key(self.targetoptions))
             except Exception:  # noqa: BLE001 - e.g. a read-only home: compile without a cache
                 pass
         return compile_(self, sig)

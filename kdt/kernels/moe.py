@@ -922,24 +922,126 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
     _warp_sync()  # sh_s[w] is read above: the warp's next token may overwrite it only after this
 
 
+# ---- kernels A and B in one launch (kernel AB, ``V2Tiles.ab``: M <= AB_MAX_M) ---------------------------
+# B's blocks need A's results: the routed gate_up the grouping (active, offsets, counts, sorted_rows) and b_perm,
+# the shared down h_shared. Apart, B starts only when all of A has ended, after a launch gap and its own ramp.
+# In one launch, B's blocks start as soon as A's last blocks are dispatched and wait, resident, on a flag: the
+# grouping block raises the routed flag when the grouping is written (after its threadfence), the last shared
+# gate_up block to finish (a count) the shared flag. No deadlock whatever order the hardware dispatches blocks
+# in: a block's role is its ticket (an atomic counter at its start, as CUB's decoupled look-back takes tile ids),
+# so every role block a waiter waits on has started and waits on nothing. Each flag has _SYNC_COPIES copies, one
+# 128-byte line each, written by one thread each: a waiter polls copy (its role index mod _SYNC_COPIES) with an
+# atomic read (an atomic: a plain or ld.cg load in a loop may be hoisted out of it) and nanosleep between polls,
+# so the ~1000 waiters of Moonlight's layer spread over 32 L2 lines. The last B block to pass resets every word
+# (tickets, count, flags) for the next launch: every ticket has been taken and every flag read by then. Waiters
+# read what A wrote only after their flag, through L1 lines that no block of the launch loaded before (L1 starts
+# empty at a kernel's launch). The simulator runs blocks one after another in ticket order: a wait there checks
+# that its flag is already up. Prediction (H200, Moonlight M = 1, session 23's in-graph times A 14.8 + B 23.3 us):
+# the routed gate_up (69 MB, ~16 us of bytes) starts when the routing ends (~12.4 us) and the shared experts'
+# 23 MB run beside the routing: ~29-31 us, 5-8 us a layer, 130-200 us of the 2.86 ms AR step. Measured (session 24,
+# scripts/bench_moe.py --previous, the layer A + B + C): 56.1 / 55.9 us against 57.1 / 57.1 apart (two runs): -1.1 us.
+# Why so little: kernel AB takes kernel A's registers (128 a thread, A alone 126; B alone 79) and its 30 KB of routing
+# arrays in shared memory, so its routed gate_up runs 4 blocks an SM where kernel B ran 6. Capped (``ab_regs``): 96
+# registers 55.7 us (spills 120 bytes), 80 registers 61.0 us (spills 276 bytes). On by default (it is faster, and
+# every gpu test of it passed: 64 forwards bit-identical to A and B apart, Moonlight and Kimi K2 against float64).
+AB_MAX_M = int(os.environ.get("KDT_MOE_AB_M", "1"))  # kernel AB at M <= this (0: kernels A and B apart)
+_SYNC_LINE = 32  # int32 words of a 128-byte line
+_SYNC_COPIES = 32  # copies of each flag, one line each
+_SYNC_TICKET, _SYNC_SHARED, _SYNC_PASSED = 0, 1, 2  # line 0: role tickets, shared gate_up blocks done, B blocks passed
+_SYNC_ROUTED = _SYNC_LINE  # the routed flag's copies: lines 1 .. _SYNC_COPIES
+_SYNC_SHARED_DONE = _SYNC_LINE * (1 + _SYNC_COPIES)  # the shared flag's copies: the next _SYNC_COPIES lines
+SYNC_WORDS = _SYNC_LINE * (1 + 2 * _SYNC_COPIES)  # MoEScratch.sync: int32, zero between launches
+_SPIN_NS = 200  # a waiter's sleep between polls
+
+
+@_device
+def _ab_ticket(sync):
+    """This block's role index: the next ticket of the launch."""
+    v = cuda.shared.array(1, int32)
+    if cuda.threadIdx.x == 0:
+        v[0] = cuda.atomic.add(sync, _SYNC_TICKET, 1)
+    cuda.syncthreads()
+    return v[0]
+
+
+@_device
+def _ab_raise(sync, flag, tid):
+    """Every copy of ``flag`` up (threads tid < _SYNC_COPIES, one copy each; the caller has fenced its writes)."""
+    if tid < _SYNC_COPIES:
+        sync[flag + tid * _SYNC_LINE] = 1
+
+
+if IS_SIM:
+
+    def _ab_poll(sync, i):
+        if sync[i] == 0:  # blocks run one after another, in ticket order: the flag must be up already
+            raise RuntimeError(f"kernel AB: a block waits on sync[{i}], which no earlier block raised")
+
+else:
+
+    @_device
+    def _ab_poll(sync, i):
+        while cuda.atomic.add(sync, i, 0) == 0:
+            cuda.nanosleep(_SPIN_NS)
+
+
+@_device
+def _ab_wait(sync, flag, copy, nb):
+    """A B-role block of kernel AB: thread 0 waits for copy ``copy`` of ``flag``, then counts the block as
+    passed; the last of the nb blocks to pass resets ``sync`` for the next launch."""
+    tid = cuda.threadIdx.x
+    last = cuda.shared.array(1, int32)
+    if tid == 0:
+        _ab_poll(sync, flag + copy * _SYNC_LINE)
+        cuda.threadfence()
+        last[0] = 1 if cuda.atomic.add(sync, _SYNC_PASSED, 1) == nb - 1 else 0
+    cuda.syncthreads()
+    if last[0] == 1:
+        for i in range(tid, SYNC_WORDS, cuda.blockDim.x):
+            sync[i] = 0
+
+
 _V2_CACHE: dict[tuple, object] = {}
 
 
 def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
                      rt: bool = True):
-    """Kernel A (see the section comment). Grid: nlb logits blocks (``_V2_NRL`` gate rows each, the
-    nw warps split D), then the shared gate_up blocks (nw warps x nr_s/2 outputs each, all M tokens in
-    tiles of tt_s). ``rt`` (route by token tile): nlb = n_eb gate-row blocks x n_tt token tiles of
-    tt_s, each block one tile; the block that takes a tile's last ticket (counter[1 + tile]) routes the
-    tile's tokens, and the one that routes the last tile (counter[0]) groups all M k pairs. Without
-    ``rt``: nlb = n_eb blocks, each over all M tokens, and the last one routes all of them (M / 4
-    serial rounds of its 4 routing warps)."""
+    """Kernel A (see the section comment and :func:`_v2_route_body`): block b is role block b."""
     key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt)
+    if key in _V2_CACHE:
+        return _V2_CACHE[key]
+    body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False)
+
+    def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
+             sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb):
+        body(cuda.blockIdx.x, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets,
+             sorted_rows, sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale,
+             nlb, 0, counter)  # (no flags: the last two arguments are never read)
+
+    kern.__name__ = (f"moe2_route_nw{nw}_b{epw_b}_s{epw_s}_nr{nr_s}_tt{tt_s}_u{u_s}_ul{u_l}{'_cs' if cs_s else ''}"
+                     f"{'_rt' if rt else ''}")
+    k = cuda.jit(kern)
+    _V2_CACHE[key] = k
+    return k
+
+
+def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
+                   rt: bool, sig: bool):
+    """Kernel A's work as a device function of its role block ``bid`` (cached). Role blocks: nlb logits
+    blocks (``_V2_NRL`` gate rows each, the nw warps split D), then the shared gate_up blocks (nw warps x
+    nr_s/2 outputs each, all M tokens in tiles of tt_s). ``rt`` (route by token tile): nlb = n_eb
+    gate-row blocks x n_tt token tiles of tt_s, each block one tile; the block that takes a tile's last
+    ticket (counter[1 + tile]) routes the tile's tokens, and the one that routes the last tile
+    (counter[0]) groups all M k pairs. Without ``rt``: nlb = n_eb blocks, each over all M tokens, and the
+    last one routes all of them (M / 4 serial rounds of its 4 routing warps). ``sig`` (kernel AB): the
+    grouping block raises the routed flag in ``sync`` when the grouping is written, and the last of the
+    n_a - nlb shared gate_up blocks to finish raises the shared flag."""
+    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if IS_SIM and nw > _V2_RWARPS:
         raise ValueError("simulator: every warp of the routing block must route (barrier pairing)")
-    NW, NT, EPWB, EPWS, NRS, TTS, RT = nw, nw * WARP, epw_b, epw_s, nr_s, tt_s, rt
+    NW, NT, EPWB, EPWS, NRS, TTS, RT, SIG = nw, nw * WARP, epw_b, epw_s, nr_s, tt_s, rt, sig
     NRL, TTL = _V2_NRL, tt_s
     NOS = NRS // 2
     NACCL, NACCS = NRL * TTL, NRS * TTS
@@ -956,12 +1058,12 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
     red_s = _v2_reduce(NRS, TTS)
     pick_s = _v2_pick(NRS, TTS)
 
-    def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
-             sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb):
+    def body(bid, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
+             sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb, n_a,
+             sync):
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
-        bid = cuda.blockIdx.x
         xrow = cuda.local.array(TTL, int32)
         if bid < nlb:
             # ---- router logits[m, e0 .. e0+NRL) for all M tokens; the NW warps split D -------------
@@ -1115,6 +1217,10 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                 cuda.syncthreads()
             if tid == 0:
                 counter[0] = 0  # every ticket of this launch is taken: ready for the next launch
+            if SIG:  # the grouping is written: kernel AB's routed gate_up blocks may go
+                cuda.threadfence()
+                cuda.syncthreads()
+                _ab_raise(sync, _SYNC_ROUTED, tid)
         else:
             # ---- shared experts' gate_up: h_shared[m, perm(o)] = silu(g . b_m) * (u . b_m) ------------
             reds = cuda.shared.array(RED_S, float32)
@@ -1143,24 +1249,53 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                             g = sel[r]
                             h_shared[p0 + lane, (o % EPWS) * Kws + o // EPWS] = \
                                 g / (float32(1.0) + math.exp(-g)) * sel[NOS + r]
+            if SIG:  # the last shared gate_up block to finish: kernel AB's shared down blocks may go
+                last = cuda.shared.array(1, int32)
+                cuda.threadfence()
+                cuda.syncthreads()
+                if tid == 0:
+                    last[0] = 1 if cuda.atomic.add(sync, _SYNC_SHARED, 1) == n_a - nlb - 1 else 0
+                cuda.syncthreads()
+                if last[0] == 1:
+                    cuda.threadfence()
+                    _ab_raise(sync, _SYNC_SHARED_DONE, tid)
 
-    kern.__name__ = (f"moe2_route_nw{nw}_b{epw_b}_s{epw_s}_nr{nr_s}_tt{tt_s}_u{u_s}_ul{u_l}{'_cs' if cs_s else ''}"
-                     f"{'_rt' if rt else ''}")
+    body = _device(body)
+    _V2_CACHE[key] = body
+    return body
+
+
+def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
+                       sd_first: bool = False):
+    """Kernel B (see :func:`_v2_gate_up_body`): block b is role block b."""
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first)
+    if key in _V2_CACHE:
+        return _V2_CACHE[key]
+    body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
+
+    def kern(b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg, J):
+        body(cuda.blockIdx.x, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn,
+             y_shared, M, ntg, J, cuda.gridDim.x, n_active)  # (no flags: the last argument is never read)
+
+    kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
+                     f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
 
 
-def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
-                       sd_first: bool = False):
-    """Kernel B. Grid: J * ntg routed blocks (routed block rb: slot j = rb // ntg of the active experts,
-    output tile x = rb % ntg: nw warps x nr/2 outputs) and the shared-down blocks (nw warps x nr rows of
-    D, all M tokens in tiles of tt_s), those after the routed ones, or before them with ``sd_first``.
-    Routed blocks with j >= n_active exit at once (J = min(E, M k) is the host-known worst case)."""
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first)
+def _v2_gate_up_body(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool, sd_first: bool,
+                     wait: bool):
+    """Kernel B's work as a device function of its role block ``bid`` of nb (cached). Role blocks: J * ntg
+    routed blocks (routed block rb: slot j = rb // ntg of the active experts, output tile x = rb % ntg: nw
+    warps x nr/2 outputs) and the shared-down blocks (nw warps x nr rows of D, all M tokens in tiles of
+    tt_s), those after the routed ones, or before them with ``sd_first``. Routed blocks with j >= n_active
+    exit at once (J = min(E, M k) is the host-known worst case). ``wait`` (kernel AB): a block first waits
+    for its flag in ``sync`` (routed blocks: the grouping written; shared down: the shared gate_up)."""
+    key = ("B body", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, wait)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    NW, EPW, NR, TT, TTS = nw, epw, nr, tt, tt_s
+    NW, EPW, NR, TT, TTS, WAIT = nw, epw, nr, tt, tt_s, wait
     NO = NR // 2
     TMAX = max(TT, TTS)
     WB, NACC, NACCS = u * NR, NR * TT, NR * TTS
@@ -1174,19 +1309,22 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
     red_s = _v2_reduce(NR, TTS)
     pick_s = _v2_pick(NR, TTS)
 
-    def kern(b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg, J):
+    def body(bid, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg,
+             J, nb, sync):
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
-        bid = cuda.blockIdx.x
         xrow = cuda.local.array(TMAX, int32)
         wr = cuda.local.array(NR, int64)
         wb = cuda.local.array(WB, uint64)
         wv = cuda.local.array(NR, float32)
         sel = cuda.local.array(NR, float32)
-        nsd = cuda.gridDim.x - J * ntg  # shared-down blocks: first (sd_first) or last in the grid
+        nsd = nb - J * ntg  # shared-down blocks: first (sd_first) or last of the role blocks
         rb = bid - nsd if SDF else bid  # routed block index (< 0 or >= J * ntg: a shared-down block)
         sb = bid if SDF else bid - J * ntg
+        if WAIT:
+            routed = 0 <= rb < J * ntg
+            _ab_wait(sync, _SYNC_ROUTED if routed else _SYNC_SHARED_DONE, bid % _SYNC_COPIES, nb)
         if 0 <= rb < J * ntg:
             j = rb // ntg
             if j >= n_active[0]:
@@ -1236,9 +1374,36 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
                         if o < D:
                             y_shared[p0 + lane, o] = sel[r]
 
-    kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
-                     f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}")
-    k = cuda.jit(kern)
+    body = _device(body)
+    _V2_CACHE[key] = body
+    return body
+
+
+def _v2_ab_kernel(t: V2Tiles, epw: int):
+    """Kernel AB: kernels A and B as one launch (see the section comment "kernels A and B in one launch").
+    Role blocks by ticket: [0, n_a) kernel A's, the rest kernel B's, which wait on A's flags."""
+    key = ("AB", t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.u_l, t.cs, t.cs_s, t.sd_first, t.rt, t.ab_regs)
+    if key in _V2_CACHE:
+        return _V2_CACHE[key]
+    body_a = _v2_route_body(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, True)
+    body_b = _v2_gate_up_body(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, True)
+
+    def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
+             sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb, wgu, h,
+             sdn, y_shared, ntg, J, n_a, sync):
+        v = _ab_ticket(sync)
+        if v < n_a:
+            body_a(v, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
+                   sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb,
+                   n_a, sync)
+        else:
+            body_b(v - n_a, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared,
+                   M, ntg, J, cuda.gridDim.x - n_a, sync)
+
+    kern.__name__ = (f"moe2_ab_nw{t.nw}_e{epw}_nr{t.nr}_tt{t.tt}_tts{t.tt_s}_u{t.u}_ul{t.u_l}{'_cs' if t.cs else ''}"
+                     f"{'_css' if t.cs_s else ''}{'_sdf' if t.sd_first else ''}{'_rt' if t.rt else ''}"
+                     f"{f'_r{t.ab_regs}' if t.ab_regs else ''}")
+    k = cuda.jit(kern, max_registers=t.ab_regs) if t.ab_regs and not IS_SIM else cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
 
@@ -1337,7 +1502,9 @@ class V2Tiles:
     shared experts and the router gate, which are re-read once per token tile when M > tt_s (so
     v2_tiles sets it only when M <= tt_s); sd_first: kernel B's shared-down blocks come first in its
     grid (they do not wait for the routing; last, they ran as a tail after the routed blocks); rt: kernel
-    A's logits blocks take one token tile each and route it (see ``_v2_route_kernel``)."""
+    A's logits blocks take one token tile each and route it (see ``_v2_route_body``); ab: kernels A and B
+    in one launch (kernel AB, see its section; v2_tiles sets it at M <= ``AB_MAX_M``); ab_regs: kernel AB's
+    register cap per thread (0: ptxas's choice)."""
 
     nw: int = 4
     nr: int = 4
@@ -1354,6 +1521,8 @@ class V2Tiles:
     cs_s: bool = True
     sd_first: bool = False
     rt: bool = True
+    ab: bool = False
+    ab_regs: int = 0
 
 
 # Kernel C takes one active expert per block (jc = 1) while its grid stays within about one wave of
@@ -1380,8 +1549,8 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     the latency) keep the tiles in registers (4 x 8 x 4 x 2 FMAs per unrolled step; 4 words spilled
     the accumulators to local memory). Given E and D, kernel C's jc drops to 1 where its grid then still
     fits ``_C_ONE_WAVE`` blocks, and kernel A's token tiles hold 2 tokens at 2 < M <= ``_TILES2_MAX_M``
-    where D <= ``_SMALL_D`` (small models)."""
-    t = _v2_tiles_by_m(M, top_k)
+    where D <= ``_SMALL_D`` (small models). At M <= ``AB_MAX_M`` kernels A and B run as one launch."""
+    t = replace(_v2_tiles_by_m(M, top_k), ab=M <= AB_MAX_M)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
@@ -1421,7 +1590,8 @@ class V2Launch:
 
 
 def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
-    """Kernels A, B and C of launch shape t for weight words of epw elements."""
+    """Kernels A, B and C of launch shape t for weight words of epw elements (with ``t.ab``, A and B
+    are also compiled into kernel AB, :func:`_v2_ab_kernel`)."""
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first),
             _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs))
@@ -1429,10 +1599,13 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
 
 def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
                 tee=None) -> list[V2Launch]:
-    """Version 2's launches for M tokens, in order (see the "version 2" section). tee[>= M, D] f32:
-    kernel C also writes the final out rows there (see :func:`moe_forward`)."""
+    """Version 2's launches for M tokens, in order (see the "version 2" section): A, B, C, or AB, C
+    (``V2Tiles.ab``, where the scratch has ``sync``). tee[>= M, D] f32: kernel C also writes the final out
+    rows there (see :func:`moe_forward`)."""
     E, k, I, D = L.E, L.top_k, L.I, L.D
     t = tiles or v2_tiles(M, k, E, D)
+    if t.ab and S.sync is None:
+        t = replace(t, ab=False)
     ka, kb, kc = _v2_kernels(t, L._epw)
     J = min(E, M * k)
     has_shared = L._sgu is not None
@@ -1459,6 +1632,11 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         S.h, L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
         out if tee is None else tee,  # (never written without a tee)
         S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared), tee is not None))
+    if t.ab:  # one grid: A's role blocks, then B's; no prefix of it runs alone (the last B block resets sync)
+        ab = V2Launch("AB route+shared_gate_up+gate_up+shared_down", _v2_ab_kernel(t, L._epw), a.grid + bb.grid,
+                      t.nw * WARP, a.grid + bb.grid, a.args + (L._gu, S.h, sdn, S.y_shared, int(ntg), int(J),
+                                                                int(a.grid), S.sync))
+        return [ab, c]
     return [a, bb, c]
 
 
@@ -1823,6 +2001,7 @@ class MoEScratch:
     y_shared: object = None  # [M_max, D] f32 (version 2: the shared experts' output)
     counter: object = None  # [1 + M_max] int32, zero between launches (version 2: kernel A's tickets)
     tickets: object = None  # [D] int32, zero between launches (version 2: tickets per row tile of D)
+    sync: object = None  # [SYNC_WORDS] int32, zero between launches (version 2: kernel AB's tickets and flags)
     h_all: object = None  # [E * Mh, I] f32, Mh = min(M_max, SMALL_MAX_M): small layers only (the small path)
 
     @classmethod
@@ -1843,6 +2022,7 @@ class MoEScratch:
                    b_perm=f32(M_max, D), y_shared=f32(M_max, D),
                    counter=cuda.to_device(np.zeros(1 + M_max, dtype=np.int32), stream=stream),
                    tickets=cuda.to_device(np.zeros(D, dtype=np.int32), stream=stream),
+                   sync=cuda.to_device(np.zeros(SYNC_WORDS, dtype=np.int32), stream=stream),
                    h_all=f32(E * min(M_max, SMALL_MAX_M), I) if small_layer(cfg) else None)
 
 
@@ -1952,9 +2132,11 @@ def _register() -> None:
     seen: set[int] = set()
     shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
+    sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     for epw in (2, 4):
         for t in shapes:
-            for kern, sig in zip(_v2_kernels(t, epw), (sig_a, sig_b, sig_c), strict=True):
+            kernels = list(zip(_v2_kernels(t, epw), (sig_a, sig_b, sig_c), strict=True))
+            for kern, sig in kernels + ([(_v2_ab_kernel(t, epw), sig_ab)] if t.ab else []):
                 if id(kern) not in seen:  # the factories cache: one object per launch shape
                     seen.add(id(kern))
                     register_ptx(kern, sig)
