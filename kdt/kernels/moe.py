@@ -1047,6 +1047,7 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     NACCL, NACCS = NRL * TTL, NRS * TTS
     WBL, WBS = u_l * NRL, u_s * NRS
     RWP = min(NW, _V2_RWARPS)
+    ONE_ROUND = RT and TTL <= RWP  # the routing block's tile fits its routing warps: one round
     EPT = max(1, E_MAX // NT)  # experts per thread in the scans
     SCAN_N = E_MAX // EPT  # threads that scan
     RED_L = (NW, NACCL, WARP) if IS_SIM else (1, 1, 1)
@@ -1135,7 +1136,10 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
             for i in range(tid, E_MAX, NT):
                 cnt[i] = 0
             if warp < RWP:
-                for m0 in range(m_lo, m_hi, RWP):
+                # a tile of at most RWP tokens takes one round, and the loop's end says so at compile time: with
+                # m_hi as its end (the same one trip) kernel A took 126 registers, kernel AB 128; with lo + 1, 80
+                # and 96 (ptxas -v, Moonlight's M = 1 shape, bf16; M = 8's kernel A 128 -> 108)
+                for m0 in range(m_lo, m_lo + 1 if ONE_ROUND else m_hi, RWP):
                     m = m0 + warp
                     _v2_route_token(logits, bias, min(m, m_hi - 1), m < m_hi, E, n_group, topk_group, top_k,
                                     norm, scale, sh_c, sh_s, sh_g, red_v, red_i, warp, lane, topk_idx, topk_w,
