@@ -19,7 +19,7 @@ import numpy as np
 from kdt.config import preset
 from kdt.drafters import OracleDrafter
 from kdt.engine import load_target
-from kdt.engine.cuda_step import SPIN_WAIT
+from kdt.engine.cuda_step import SPIN_WAIT, wait_for
 from kdt.fixture import read_fixture
 from kdt.reference.decode import ar_generate, generate
 
@@ -35,7 +35,7 @@ def timed(acc, name, fn):
 
 class TimedEvent:
     """An event behind a step's program (a step graph has two, used in turn): the record call and the wait
-    (synchronize) timed."""
+    (synchronize: the engine's ``wait_for``, polling with ``spin``) timed."""
 
     def __init__(self, event, acc, spin=False):
         self.event, self.acc, self.spin = event, acc, spin
@@ -47,11 +47,7 @@ class TimedEvent:
 
     def synchronize(self):
         t0 = time.perf_counter()
-        if self.spin:
-            while not self.event.query():
-                pass
-        else:
-            self.event.synchronize()
+        wait_for(self.event, self.spin)
         self.acc["wait for the GPU"] += time.perf_counter() - t0
 
 

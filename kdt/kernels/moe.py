@@ -944,6 +944,8 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
 # arrays in shared memory, so its routed gate_up runs 4 blocks an SM where kernel B ran 6. Capped (``ab_regs``): 96
 # registers 55.7 us (spills 120 bytes), 80 registers 61.0 us (spills 276 bytes). On by default (it is faster, and
 # every gpu test of it passed: 64 forwards bit-identical to A and B apart, Moonlight and Kimi K2 against float64).
+# Since then the routing block's one round at M = 1 (see _v2_route_body) took kernel AB to 96 registers, no spills:
+# not measured on the H200 yet.
 AB_MAX_M = int(os.environ.get("KDT_MOE_AB_M", "1"))  # kernel AB at M <= this (0: kernels A and B apart)
 _SYNC_LINE = 32  # int32 words of a 128-byte line
 _SYNC_COPIES = 32  # copies of each flag, one line each
