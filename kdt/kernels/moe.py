@@ -930,13 +930,13 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
 # gate_up block to finish (a count) the shared flag. No deadlock whatever order the hardware dispatches blocks
 # in: a block's role is its ticket (an atomic counter at its start, as CUB's decoupled look-back takes tile ids),
 # so every role block a waiter waits on has started and waits on nothing. Each flag has _SYNC_COPIES copies, one
-# 128-byte line each, written by one thread each: a waiter polls copy (its role index mod _SYNC_COPIES) with an
-# atomic read (an atomic: a plain or ld.cg load in a loop may be hoisted out of it) and nanosleep between polls,
-# so the ~1000 waiters of Moonlight's layer spread over 32 L2 lines. The last B block to pass resets every word
-# (tickets, count, flags) for the next launch: every ticket has been taken and every flag read by then. Waiters
-# read what A wrote only after their flag, through L1 lines that no block of the launch loaded before (L1 starts
-# empty at a kernel's launch). The simulator runs blocks one after another in ticket order: a wait there checks
-# that its flag is already up. Prediction (H200, Moonlight M = 1, session 23's in-graph times A 14.8 + B 23.3 us):
+# 128-byte line each: a waiter polls copy (its role index mod _SYNC_COPIES) with an atomic read (an atomic: a plain
+# or ld.cg load in a loop may be hoisted out of it) and nanosleep between polls, so the ~1000 waiters of Moonlight's
+# layer spread over 32 L2 lines. The last B block to pass resets every word the launch wrote (tickets, counts,
+# flags) for the next launch: every ticket has been taken and every flag read by then. Waiters read what A wrote
+# only after their flag, through L1 lines that no block of the launch loaded before (L1 starts empty at a kernel's
+# launch). The simulator runs blocks one after another in ticket order: a wait there checks that its flag is up.
+# Prediction (H200, Moonlight M = 1, session 23's in-graph times A 14.8 + B 23.3 us):
 # the routed gate_up (69 MB, ~16 us of bytes) starts when the routing ends (~12.4 us) and the shared experts'
 # 23 MB run beside the routing: ~29-31 us, 5-8 us a layer, 130-200 us of the 2.86 ms AR step. Measured (session 24,
 # scripts/bench_moe.py --previous, the layer A + B + C): 56.1 / 55.9 us against 57.1 / 57.1 apart (two runs): -1.1 us.
@@ -944,8 +944,8 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
 # arrays in shared memory, so its routed gate_up runs 4 blocks an SM where kernel B ran 6. Capped (``ab_regs``): 96
 # registers 55.7 us (spills 120 bytes), 80 registers 61.0 us (spills 276 bytes). On by default (it is faster, and
 # every gpu test of it passed: 64 forwards bit-identical to A and B apart, Moonlight and Kimi K2 against float64).
-# Since then the routing block's one round at M = 1 (see _v2_route_body) took kernel AB to 96 registers, no spills:
-# not measured on the H200 yet.
+# Since then the routing block's one round at M = 1 (see _v2_route_body) and the reset of only the words a launch
+# wrote (_ab_wait) took kernel AB to 95 registers, no spills: not measured on the H200 yet.
 AB_MAX_M = int(os.environ.get("KDT_MOE_AB_M", "1"))  # kernel AB at M <= this (0: kernels A and B apart)
 _SYNC_LINE = 32  # int32 words of a 128-byte line
 _SYNC_COPIES = 32  # copies of each flag, one line each
@@ -967,10 +967,10 @@ def _ab_ticket(sync):
 
 
 @_device
-def _ab_raise(sync, flag, tid):
-    """Every copy of ``flag`` up (threads tid < _SYNC_COPIES, one copy each; the caller has fenced its writes)."""
-    if tid < _SYNC_COPIES:
-        sync[flag + tid * _SYNC_LINE] = 1
+def _ab_raise(sync, flag):
+    """Every copy of ``flag`` up (one thread; the block has fenced its writes)."""
+    for c in range(_SYNC_COPIES):
+        sync[flag + c * _SYNC_LINE] = 1
 
 
 if IS_SIM:
@@ -990,17 +990,19 @@ else:
 @_device
 def _ab_wait(sync, flag, copy, nb):
     """A B-role block of kernel AB: thread 0 waits for copy ``copy`` of ``flag``, then counts the block as
-    passed; the last of the nb blocks to pass resets ``sync`` for the next launch."""
-    tid = cuda.threadIdx.x
-    last = cuda.shared.array(1, int32)
-    if tid == 0:
+    passed; the last of the nb blocks to pass puts the words the launch wrote (line 0's three counters, the
+    flags' copies) back to zero for the next launch. (A reset of all SYNC_WORDS by every thread of the block,
+    a loop of runtime stride, cost B's role body 17 registers: 96 against 79, ptxas -v.)"""
+    if cuda.threadIdx.x == 0:
         _ab_poll(sync, flag + copy * _SYNC_LINE)
         cuda.threadfence()
-        last[0] = 1 if cuda.atomic.add(sync, _SYNC_PASSED, 1) == nb - 1 else 0
+        if cuda.atomic.add(sync, _SYNC_PASSED, 1) == nb - 1:
+            sync[_SYNC_TICKET] = 0
+            sync[_SYNC_SHARED] = 0
+            sync[_SYNC_PASSED] = 0
+            for c in range(2 * _SYNC_COPIES):
+                sync[_SYNC_ROUTED + c * _SYNC_LINE] = 0  # the routed flag's copies, then the shared flag's
     cuda.syncthreads()
-    if last[0] == 1:
-        for i in range(tid, SYNC_WORDS, cuda.blockDim.x):
-            sync[i] = 0
 
 
 _V2_CACHE: dict[tuple, object] = {}
@@ -1226,7 +1228,8 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
             if SIG:  # the grouping is written: kernel AB's routed gate_up blocks may go
                 cuda.threadfence()
                 cuda.syncthreads()
-                _ab_raise(sync, _SYNC_ROUTED, tid)
+                if tid == 0:
+                    _ab_raise(sync, _SYNC_ROUTED)
         else:
             # ---- shared experts' gate_up: h_shared[m, perm(o)] = silu(g . b_m) * (u . b_m) ------------
             reds = cuda.shared.array(RED_S, float32)
@@ -1256,15 +1259,11 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
                             h_shared[p0 + lane, (o % EPWS) * Kws + o // EPWS] = \
                                 g / (float32(1.0) + math.exp(-g)) * sel[NOS + r]
             if SIG:  # the last shared gate_up block to finish: kernel AB's shared down blocks may go
-                last = cuda.shared.array(1, int32)
                 cuda.threadfence()
                 cuda.syncthreads()
-                if tid == 0:
-                    last[0] = 1 if cuda.atomic.add(sync, _SYNC_SHARED, 1) == n_a - nlb - 1 else 0
-                cuda.syncthreads()
-                if last[0] == 1:
+                if tid == 0 and cuda.atomic.add(sync, _SYNC_SHARED, 1) == n_a - nlb - 1:
                     cuda.threadfence()
-                    _ab_raise(sync, _SYNC_SHARED_DONE, tid)
+                    _ab_raise(sync, _SYNC_SHARED_DONE)
 
     body = _device(body)
     _V2_CACHE[key] = body
