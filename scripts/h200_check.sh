@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -979,7 +979,22 @@ s24e)  # session 24, issue 7: the host work of a Moonlight DDTree step alone on 
   step profile_step_64 150 python3 scripts/profile_step.py moonlight-16b-a3b 64
   step profile_step_256 100 python3 scripts/profile_step.py moonlight-16b-a3b 256
   grep -hv "^ *$" "$OUT/profile_step_64.log" "$OUT/profile_step_256.log" | grep "steps" | cut -c1-250 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e"; exit 2 ;;
+s25a)  # session 25, issue 7: kernel A's one-round routing (A 126 -> 80 registers at M = 1) and kernel AB's lighter
+  # flags (95 registers): the MoE layer at M = 1 (bench_moe --previous) alone on the GPU; then the MoE gpu tests beside
+  # kdt verify (tiny fp32, model_code bf16)
+  step moe_ab 240 python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 1,8 --previous \
+    --json "$OUT/moe-$day-moonlight-s25a.json"
+  grep -h "moonlight" "$OUT/moe_ab.log" | cut -c1-150
+  TEST_TIMEOUT=${TEST_TIMEOUT:-300} tests_beside_verifies gpu 200 tests/test_kernels_moe.py \
+    -k "ab_repeated or moonlight or kimi or code_shape or route" ;;
+s25b)  # session 25, issue 7: programmatic dependent launch (PDL) in the captured graphs: Moonlight's whole programs
+  # (AR step, oracle chain step, forwards) captured with and without it in one process (the same kernels); then the
+  # engine's gpu tests (graph replay == direct launches, with PDL) beside kdt verify (tiny fp32, model_code bf16)
+  step profile_pdl 300 python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7 --launches none \
+    --pdl-ab --json "$OUT/profile-graphs-$day-moonlight-s25b.json"
+  grep -h "==\|step\|forward\|empty\|build\|PDL\|Error\|error" "$OUT/profile_pdl.log" | grep -v "^ *[0-9]" | cut -c1-150
+  TEST_TIMEOUT=${TEST_TIMEOUT:-200} tests_beside_verifies gpu 150 tests/test_engine_cuda.py ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

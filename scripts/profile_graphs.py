@@ -14,6 +14,9 @@ to the next node; eager profiles (scripts/profile_kernels.py) see neither. This 
    its in-graph time per launch, and their sum by phase (drafter forward, top-k, tree, target forward, rest);
 3. an empty kernel ``--reps`` times: the least a launch costs in a graph.
 
+``--pdl-ab``: every whole program is also timed captured without programmatic dependent launch (the same kernels;
+kdt.kernels.common's PDL section).
+
 Replays would change the state: each step commits tokens, so L would grow by thousands over the replays and
 the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
 attention read 11.6 us at M = 32 with L in the thousands). So every timed graph starts with one small launch that
@@ -44,6 +47,7 @@ from kdt.engine import load_target  # noqa: E402
 from kdt.engine.cuda_model import ForwardGraphs  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
 from kdt.kernels import ddtree as kd  # noqa: E402
+from kdt.kernels.common import pdl_launches, set_pdl_launch  # noqa: E402
 from kdt.reference.decode import generate  # noqa: E402
 
 
@@ -164,6 +168,8 @@ def main() -> int:
                     "(issue 8's table: L 64..256)")
     ap.add_argument("--launches", default="all", choices=("all", "ar", "none"),
                     help="which steps to time launch by launch (all: the AR and the DDTree step)")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="also time each whole program captured without PDL (kdt.kernels.common: the same kernels)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -217,10 +223,21 @@ def main() -> int:
     out["programs_us"] = {}
     print(f"== whole programs, one graph each ({args.model}, {args.dtype}, {kind} drafter, block {B}, L = {PIN.L};"
           f" the state's restore, {PIN.pin_us:.2f} us, taken off)")
+    pdl = pdl_launches()
+    if args.pdl_ab:
+        out["programs_us_no_pdl"] = {}
+        print(f"  {'':34s} {'PDL' if pdl else 'no PDL':>8s} {'no PDL':>8s}")
     for name, fn in whole.items():
         us = graph_us(fn)
         out["programs_us"][name] = round(us, 2)
-        print(f"  {name:34s} {us:8.2f} us")
+        if args.pdl_ab:
+            prev = set_pdl_launch(False)
+            us0 = out["programs_us_no_pdl"][name] = round(graph_us(fn), 2)
+            set_pdl_launch(prev)
+            print(f"  {name:34s} {us:8.2f} {us0:8.2f} us")
+        else:
+            print(f"  {name:34s} {us:8.2f} us")
+    out["pdl"] = pdl
     floor = out["programs_us"][f"empty kernel x{args.reps}"] / args.reps
     print(f"  an empty launch in a graph: {floor:.2f} us")
 

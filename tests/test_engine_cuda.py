@@ -344,9 +344,11 @@ def test_cuda_invariant_200_random_trials(rng):
 def test_cuda_graph_replay_equals_direct_launches(rng):
     """Forwards replayed from CUDA graphs (one per token count) give the very logits of direct
     launches, across a chunked prefill, AR steps, repeated tree verifies at moving L and a compaction;
-    and the graphs were really used (captured on a count's second forward, replayed after)."""
+    and the graphs were really used (captured on a count's second forward, replayed after), their kernels
+    launched with PDL (programmatic dependent launch: kdt.kernels.common) unless KDT_PDL=0."""
     from kdt.engine.cuda_model import CudaModel
     from kdt.fixture import read_fixture
+    from kdt.kernels import common
 
     fx = read_fixture(str(FIXTURE))
     cfg, V = fx.config, fx.config.vocab_size
@@ -374,6 +376,7 @@ def test_cuda_graph_replay_equals_direct_launches(rng):
     # captured for the repeated counts (AR 1, the tree 4; a prompt of >= 32 tokens also repeats the
     # prefill chunk of 16), replayed after
     assert {1, 4} <= set(g.graphs.graphs) <= {1, 4, 16}
+    assert common.pdl_launches() == common.PDL
 
 
 @sim_only

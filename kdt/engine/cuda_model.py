@@ -28,7 +28,7 @@ from kdt.errors import KdtError
 from kdt.kernels import ddtree as kd
 from kdt.kernels import elementwise as ew
 from kdt.kernels import mla, moe
-from kdt.kernels.common import IS_SIM, f32_to_bf16_bits
+from kdt.kernels.common import IS_SIM, f32_to_bf16_bits, pdl_capture
 from kdt.kernels.linear import linear
 from kdt.reference.model import layer_prefix
 
@@ -230,7 +230,8 @@ class ForwardGraphs:
         cuda.synchronize()  # the capture stream must not overtake work queued on stream 0
         gb = self.device.create_graph_builder()
         gb.begin_building()
-        self.launch(M, gb)
+        with pdl_capture():  # kernels overlap their predecessor's tail (kdt.kernels.common, PDL)
+            self.launch(M, gb)
         return gb.end_building().complete()
 
 

@@ -25,6 +25,7 @@ from kdt.config import preset
 from kdt.kernels import ddtree as kd
 from kdt.kernels import elementwise as ew
 from kdt.kernels import mla, moe
+from kdt.kernels.common import grid_dependency_wait
 from kdt.kernels.linear import linear
 from kdt.kernels.randn import randn_fill
 
@@ -32,6 +33,7 @@ from kdt.kernels.randn import randn_fill
 @cuda.jit
 def _spin(n):
     """Keep the GPU busy for about n microseconds."""
+    grid_dependency_wait()
     for _ in range(n):
         cuda.nanosleep(1000)
 

@@ -60,6 +60,136 @@ else:
     def ldcg3(a, i, j, k):
         return ldcg_intrinsic(a, (int64(i), int64(j), int64(k)))
 
+# ---- programmatic dependent launch (PDL) ---------------------------------------------------------------
+# A kernel that calls grid_dependency_wait() as its first statement is launched, inside a captured CUDA graph
+# (``pdl_capture``), with programmatic stream serialization: its blocks may be scheduled as soon as every block of
+# the kernel before it has passed the same call, and they wait in ``griddepcontrol.wait`` until that kernel has
+# finished and its writes are visible. The launch latency and the ramp of each kernel then overlap the tail of the
+# one before it instead of following it (each of the AR step's ~300 launches in a graph trails its predecessor by
+# ~1 us). Nothing runs before the wait, so the kernels compute exactly what they did. ``KDT_PDL=0``: off (the
+# kernels then wait for nothing and every launch is serialized as before). Devices before sm_90 have no
+# griddepcontrol: the call compiles to nothing there.
+PDL = os.environ.get("KDT_PDL", "1") == "1"
+WAIT_NAME = "grid_dependency_wait"
+
+if IS_SIM:
+
+    def grid_dependency_wait():
+        """No-op under the simulator (its blocks run after the previous kernel's anyway)."""
+
+else:
+    from llvmlite import ir as _ir
+    from numba import types as _nbtypes
+    from numba.cuda.extending import intrinsic as _intrinsic
+
+    def _pdl_code() -> bool:
+        """Emit griddepcontrol: PDL on and the compile's device sm_90 or newer (the sm_90 compile check, with no
+        device, emits it)."""
+        if not PDL:
+            return False
+        try:
+            return tuple(cuda.get_current_device().compute_capability) >= (9, 0)
+        except Exception:  # noqa: BLE001 - no device (the CPU compile check targets sm_90)
+            return True
+
+    @_intrinsic
+    def _griddepcontrol(typingctx):
+        def codegen(context, builder, sig, args):
+            if _pdl_code():  # wait for the kernel before, then let the kernel after be scheduled
+                asm = _ir.InlineAsm(_ir.FunctionType(_ir.VoidType(), []),
+                                    "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;", "~{memory}",
+                                    side_effect=True)
+                builder.call(asm, ())
+            return context.get_dummy_value()
+
+        return _nbtypes.none(), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def grid_dependency_wait():
+        """The kernel before this one (in a PDL launch) has finished and its writes are visible; from here
+        the kernel after this one may be scheduled (see the PDL section)."""
+        _griddepcontrol()
+
+
+def waits_for_grid(py_func) -> bool:
+    """The kernel calls grid_dependency_wait() itself (its first statement, by kdt's convention)."""
+    return WAIT_NAME in py_func.__code__.co_names
+
+
+class _PdlHook:
+    """numba-cuda launches through cuda.core's ``launch(stream, LaunchConfig(...), kernel, *args)``: while
+    ``capturing`` (a graph capture, :func:`pdl_capture`), a kernel that waits for its grid dependency
+    (:func:`waits_for_grid`) gets ``programmatic_stream_serialization``."""
+
+    capturing = False
+    this = False
+    installed: bool | None = None
+    launch_on = True  # set_pdl_launch(False): captures launch as before (A/B in one process, same kernels)
+
+    @classmethod
+    def install(cls) -> bool:
+        if cls.installed is not None:
+            return cls.installed
+        cls.installed = False
+        if IS_SIM or not PDL:
+            return False
+        try:
+            import numba.cuda.dispatcher as nd
+
+            base = nd.LaunchConfig
+            base(grid=1, block=1, programmatic_stream_serialization=True)
+            launch0 = nd._Kernel.launch
+        except Exception:  # noqa: BLE001 - a numba-cuda / cuda.core without these: plain launches
+            return False
+        waits: dict[int, bool] = {}
+
+        def config(*a, **kw):
+            if cls.this:
+                kw["programmatic_stream_serialization"] = True
+            return base(*a, **kw)
+
+        def launch(self, args, griddim, blockdim, stream=0, sharedmem=0):
+            k = id(self.py_func)
+            w = waits.get(k)
+            if w is None:
+                w = waits[k] = waits_for_grid(self.py_func)
+            cls.this = cls.capturing and w
+            try:
+                return launch0(self, args, griddim, blockdim, stream, sharedmem)
+            finally:
+                cls.this = False
+
+        nd.LaunchConfig = config
+        nd._Kernel.launch = launch
+        cls.installed = True
+        return True
+
+
+def pdl_launches() -> bool:
+    """Graph captures launch waiting kernels with PDL (on, supported, not switched off)."""
+    return _PdlHook.launch_on and _PdlHook.install()
+
+
+def set_pdl_launch(on: bool) -> bool:
+    """Whether later graph captures use PDL (the kernels are the same either way: without it their wait returns
+    at once); returns the previous setting. For same-process A/Bs (scripts/profile_graphs.py --pdl-ab)."""
+    prev, _PdlHook.launch_on = _PdlHook.launch_on, bool(on)
+    return prev
+
+
+class pdl_capture:  # noqa: N801 - used as a context manager
+    """``with pdl_capture():`` the kernels launched (into a graph being captured) that wait for their grid
+    dependency are launched with PDL (see the PDL section); a no-op where PDL is off or unsupported."""
+
+    def __enter__(self):
+        _PdlHook.capturing = _PdlHook.launch_on and _PdlHook.install()
+        return self
+
+    def __exit__(self, *exc):
+        _PdlHook.capturing = False
+        return False
+
+
 # (name, python function of the kernel or device function, signature tuple, is_device)
 PTX_REGISTRY: list[tuple[str, object, tuple, bool]] = []
 
@@ -174,5 +304,6 @@ def jit_source(src: str, name: str, namespace: dict, origin: str):
     filename = f"<{origin} generated {name} {hashlib.sha1(src.encode()).hexdigest()[:12]}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     ns = dict(namespace)
+    ns.setdefault(WAIT_NAME, grid_dependency_wait)
     exec(compile(src, filename, "exec"), ns)  # noqa: S102 - our own generated source
     return cuda.jit(ns[name])

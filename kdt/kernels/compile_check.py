@@ -5,7 +5,8 @@ The CUDA simulator checks no types, so CI also runs ``python -m kdt.kernels.comp
 Must run with the simulator off. Exit code 1 if any kernel fails.
 
 ``--shard I/N`` compiles every N-th entry from the I-th (1-based), so N processes share the work
-(the test runs one per shard, spread over pytest-xdist's workers).
+(the test runs one per shard, spread over pytest-xdist's workers). Every kernel (not device function) must
+call ``grid_dependency_wait()`` itself, and its PTX hold ``griddepcontrol.wait`` (kdt.kernels.common, PDL).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from numba import cuda
 
-    from kdt.kernels.common import PTX_REGISTRY
+    from kdt.kernels.common import PDL, PTX_REGISTRY, waits_for_grid
 
     for m in MODULES:
         importlib.import_module(f"kdt.kernels.{m}")
@@ -53,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0), device=device)
             status = f"ok   {len(ptx):8d} B"
+            if not device and not waits_for_grid(fn):  # PDL launches only kernels that wait (common.py)
+                failures += 1
+                status = "FAIL the kernel does not call grid_dependency_wait() itself"
+            elif not device and PDL and "griddepcontrol.wait" not in ptx:
+                failures += 1
+                status = "FAIL no griddepcontrol.wait in the PTX"
         except Exception as e:  # noqa: BLE001 - report every failure, then fail
             failures += 1
             status = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:160]}"

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, int16, int32, int64, uint8, uint16
 
-from kdt.kernels.common import IS_SIM, WARP, cdiv, device_scalar, register_ptx, weight_loader
+from kdt.kernels.common import IS_SIM, WARP, cdiv, device_scalar, grid_dependency_wait, register_ptx, weight_loader
 
 MAX_BUDGET = 512  # largest tree (drafted nodes) tree_build can hold in shared memory
 _CAND_CAP = 2 * MAX_BUDGET + 2  # pushes: 1 + at most 2 per pop
@@ -265,6 +265,7 @@ def tree_build(
        warps zero ``visibility`` on ``[0, nb + 1)^2`` (every node index of this budget is below nb + 1);
     3. every thread writes whole nodes: outputs from shared memory, visibility row by ancestor walk.
     """
+    grid_dependency_wait()
     # candidates, indexed by push id: parent node, depth, rank, previously popped sibling (-1: none)
     cand_parent = cuda.shared.array(_CAND_CAP, int16)
     cand_depth = cuda.shared.array(_CAND_CAP, int16)
@@ -463,6 +464,7 @@ def tree_accept(
     The walk is a chain of dependent loads, so the block first stages the request's four rows in
     shared memory with coalesced loads (one memory round trip) and thread 0 walks them there.
     """
+    grid_dependency_wait()
     s_first = cuda.shared.array(_NODE_CAP, int32)
     s_next = cuda.shared.array(_NODE_CAP, int32)
     s_tok = cuda.shared.array(_NODE_CAP, int64)
@@ -540,6 +542,7 @@ def kv_compact(
 ):
     """Compact both caches of every layer: one thread per (layer, column of c_kv ++ k_pe). L and n_acc
     are read on the device (a CUDA graph of the whole DDTree step replays this launch)."""
+    grid_dependency_wait()
     t = cuda.grid(1)
     rkv = c_kv.shape[2]
     w = rkv + k_pe.shape[2]
@@ -579,6 +582,7 @@ def stage_tree(
 ):
     """Request r's tree as the forward reads it, without a host round trip: one thread per element of
     the [n, n] visibility block (grid covers NMAX * NMAX threads; n is read on the device)."""
+    grid_dependency_wait()
     t = cuda.grid(1)
     n = n_nodes[r]
     if t < n * n:
@@ -692,6 +696,7 @@ def draft_topk(logits, out_tok, out_logp):
     (e.g. V = 256): one element per thread, the compare-exchange stages with partners less than a warp
     apart through shuffles (30 of V = 256's 36 stages) and only the others through shared memory;
     larger rows: every stage in shared memory, the threads striding over the row."""
+    grid_dependency_wait()
     sv = cuda.shared.array(TOPK_MAX_V, float32)
     si = cuda.shared.array(TOPK_MAX_V, int32)
     red = cuda.shared.array(_TOPK_NT, float32)
@@ -770,6 +775,7 @@ def _stage_draft_kernel(dtype):
     def stage_draft(L_ctx, n_ctx, L_target, root, B, with_block, tokens, positions, L_out, vis, embed, mask_rows, x):
         """The drafter's rows (``_stage_rows_fn``) from the device state: context rows n_ctx[0] valid from
         L_ctx[0], the block of root[0] at L_target[0]."""
+        grid_dependency_wait()
         stage_rows(cuda.grid(1), cuda.gridsize(1), L_ctx[0], n_ctx[0], L_target[0], root[0], B, with_block != 0,
                    tokens, positions, L_out, vis, embed, mask_rows, x)
 
@@ -799,6 +805,7 @@ def _gather_accepted_kernel(dtype):
         next step's drafter rows as :func:`stage_draft` would stage them after the commit (the context
         from L, n_acc valid; the block of the bonus token at L + n_acc), so the next step starts with its
         drafter's forward: one launch less a step. grid = B blocks (one per output row)."""
+        grid_dependency_wait()
         i = cuda.blockIdx.x
         D = feat.shape[2]
         n = n_acc_dev[0]
@@ -839,6 +846,7 @@ def step_commit(accepted, n_accepted, bonus, choice, L, root, record, seq):
     this step commits, which the host reads), seq += 1, L += n, root = bonus (the next step's root). The
     two record rows alternate, so that a step launched before the host has read its predecessor's row
     writes the other one. One block."""
+    grid_dependency_wait()
     n = n_accepted[0]
     r = seq[0] & 1
     for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):

@@ -19,7 +19,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint16
 
-from kdt.kernels.common import IS_SIM, WARP, cdiv, ldcg2, register_ptx, weight_loader
+from kdt.kernels.common import IS_SIM, WARP, cdiv, grid_dependency_wait, ldcg2, register_ptx, weight_loader
 
 __all__ = ["embedding", "rmsnorm", "silu_mul", "add", "argmax_rows"]
 
@@ -163,6 +163,7 @@ def _embedding_kernel(dtype):
         """tokens[M] int64, embed[V, D] f32|uint16(bf16), x[M, D] f32: x[m] = embed[tokens[m]].
 
         grid = (cdiv(D, EW_THREADS), M)."""
+        grid_dependency_wait()
         m = cuda.blockIdx.y
         d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if d < x.shape[1]:
@@ -196,6 +197,7 @@ def _rmsnorm_kernel(dtype):
         """x[M, >= ncols] f32, w[ncols] f32|uint16(bf16), y[M, >= ncols] f32:
         y[m, :ncols] = x[m, :ncols] / sqrt(mean(x[m, :ncols]^2) + eps) * w. grid = M blocks (one per row).
         """
+        grid_dependency_wait()
         red = cuda.shared.array(RED, float32)
         m = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -251,6 +253,7 @@ def rmsnorm(x, w, eps: float, y, ncols: int | None = None, stream=0) -> None:
 @cuda.jit
 def silu_mul_kernel(g, u, out):
     """g[M, I], u[M, I], out[M, I] f32: out = silu(g) * u = g / (1 + exp(-g)) * u. grid = (cdiv(I, EW), M)."""
+    grid_dependency_wait()
     m = cuda.blockIdx.y
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < out.shape[1]:
@@ -273,6 +276,7 @@ def silu_mul(g, u, out, stream=0) -> None:
 @cuda.jit
 def add_kernel(x, y, out):
     """x[M, N], y[M, N], out[M, N] f32: out = x + y. grid = (cdiv(N, EW), M)."""
+    grid_dependency_wait()
     m = cuda.blockIdx.y
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < out.shape[1]:
@@ -294,6 +298,7 @@ def add(x, y, out, stream=0) -> None:
 @cuda.jit
 def copy_kernel(x, out):
     """x[M, N], out[M, N] f32: out = x. grid = (cdiv(N, EW), M)."""
+    grid_dependency_wait()
     m = cuda.blockIdx.y
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < out.shape[1]:
@@ -360,6 +365,7 @@ assert ARGMAX_UNROLL == 8  # _scan_argmax's body is written out for 8
 def argmax_rows_kernel(logits, out):
     """logits[M, V] f32, out[M] int64: out[m] = np.argmax(logits[m]) (first maximum; a NaN counts as
     the maximum, like NumPy). grid = M blocks (one per row) of ARGMAX_THREADS threads."""
+    grid_dependency_wait()
     red_v = cuda.shared.array(ARGMAX_THREADS, float32)
     red_i = cuda.shared.array(ARGMAX_THREADS, int32)
     m = cuda.blockIdx.x
@@ -375,6 +381,7 @@ def argmax_split_kernel(logits, out, part_v, part_i, tickets, chunk):
     S = cdiv(V, chunk) <= ARGMAX_SPLIT_THREADS. Block (s, m) scans logits[m, s*chunk : (s+1)*chunk) into
     part_v / part_i[m, s]; the block that takes row m's last ticket (tickets[m], back to 0 after) reduces
     the S partials in the same order (value, then the lower index) and writes out[m]."""
+    grid_dependency_wait()
     red_v = cuda.shared.array(ARGMAX_SPLIT_THREADS, float32)
     red_i = cuda.shared.array(ARGMAX_SPLIT_THREADS, int32)
     flag = cuda.shared.array(1, int32)

@@ -39,7 +39,16 @@ import os
 import numpy as np
 from numba import cuda, float32, int32, int64, uint8, uint16, uint64
 
-from kdt.kernels.common import IS_SIM, Src, cdiv, device_scalar, jit_source, register_ptx, weight_loader
+from kdt.kernels.common import (
+    IS_SIM,
+    Src,
+    cdiv,
+    device_scalar,
+    grid_dependency_wait,
+    jit_source,
+    register_ptx,
+    weight_loader,
+)
 
 NEG_INF = float32(-np.inf)
 MAX_SPLITS = 128  # flash-decoding splits per (token, head) at most (shared weights of the combine)
@@ -165,6 +174,7 @@ def _kv_latent_write_kernel(norm_dtype: str, NT: int = _KV_NT):
         """c[M, Rkv+dr] f32, kv_a_layernorm[Rkv] (f32|bf16), positions[M] i64, cos/sin_tab[P, dr/2],
         L_dev[1] i64 -> c_kv_cache[L+m, :Rkv] = rmsnorm(c[m, :Rkv]), k_pe_cache[L+m, :dr] = rope(c[m, Rkv:]).
         Grid (M,), block (NT,)."""
+        grid_dependency_wait()
         red = cuda.shared.array(NT, float32)
         kv_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache, k_pe_cache, interleave,
                  cuda.blockIdx.x, cuda.threadIdx.x, red)
@@ -206,6 +216,7 @@ def _q_absorb_kernel(wdtype: str, dn: int, TM: int, NT: int = _QA_NT):
         """q[M, H*(dn+dr)] f32, kv_b[H*(dn+dv), Rkv] f32|bf16 -> q_abs[M, H, Rkv] = q_nope @ W_uk[h],
         q_pe[M, H, dr] = rope(q[.., dn:]). Grid (cdiv(Rkv, NT), H, cdiv(M, TM)), block (NT,): thread
         owns latent column r for TM tokens; kv_b row reads coalesced along r."""
+        grid_dependency_wait()
         cb = cuda.blockIdx.x
         h = cuda.blockIdx.y
         m0 = cuda.blockIdx.z * TM
@@ -345,6 +356,7 @@ def _attention_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, BT: int):
         computed (software prefetch).
         n_splits == 1: writes o_lat[m, h] = acc / l. Else part[((m*H+h)*n_splits+s)*(Rkv+2) + ...] =
         (acc[Rkv], running max, running sum) for mla_combine."""
+        grid_dependency_wait()
         hg = cuda.blockIdx.x
         m = cuda.blockIdx.y
         sp = cuda.blockIdx.z
@@ -492,6 +504,7 @@ def mla_combine_kernel(part, S, o_lat):
     """Flash-decoding combine. part[M*H*S*(Rkv+2)] f32 (per (m, h, split): acc[Rkv], max, sum)
     -> o_lat[m, h, r] = sum_s e^(max_s - max) acc_s[r] / sum_s e^(max_s - max) sum_s.
     Grid (H, M), block (_CB_NT,)."""
+    grid_dependency_wait()
     h = cuda.blockIdx.x
     m = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -668,6 +681,7 @@ def _uv_project_kernel(wdtype: str, Rkv: int, G: int, NW: int, RPW: int, TM: int
         o[m, h*dv+v] = sum_r kv_b[h*(dn+dv)+dn+v, r] o_lat[m, h, r].
         Grid (cdiv(dv, RB), H, cdiv(M, TM)), block (NW*G,): lane j holds o_lat[m0+i, h, j+G*k] in
         registers; a lane group reads weight rows coalesced along r and all-reduces TM dots."""
+        grid_dependency_wait()
         vb = cuda.blockIdx.x
         h = cuda.blockIdx.y
         m0 = cuda.blockIdx.z * TM
@@ -910,6 +924,7 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
         s("(x, m, sp) = heads x*R .. x*R+R-1 of token m, keys [sp*kps, (sp+1)*kps) (kps = cdiv(L+M, S)")
         s("rounded up to BT; an empty split returns at once). S == 1: o_lat[m, h] = acc / l; else")
         s('part[((m*H+h)*S+sp)*(Rkv+2) + ..] = (acc[Rkv], running max, running sum)."""')
+        s("grid_dependency_wait()  # first (kdt.kernels.common, PDL)")
         s("tid = cuda.threadIdx.x")
         s("w = tid // G")
         s("j = tid - w * G")
@@ -1100,6 +1115,7 @@ def _combine2_source(G, NWC, CPC, US, **_) -> str:
         s("splits are read; ne from L_dev exactly as the attention derives it). Grid (Rkv // CW, H, M),")
         s("block (NWC*G,): lane j owns columns cb*CW + j + G*c, warp w the splits w, w + NWC, ..;")
         s('partials summed in shared memory."""')
+        s("grid_dependency_wait()  # first (kdt.kernels.common, PDL)")
         s("tid = cuda.threadIdx.x")
         s("w = tid // G")
         s("j = tid - w * G")
@@ -1258,6 +1274,7 @@ def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False) -> str:
             s("With the latent write (kv_latent_write's arguments after q_pe): grid z has cdiv(M, gx * gy)")
             s("more slices, whose blocks each write one token's latent into the cache.")
         s('"""')
+        s("grid_dependency_wait()  # first (kdt.kernels.common, PDL)")
         s("tid = cuda.threadIdx.x")
         s("M = q.shape[0]")
         if KV:

@@ -60,7 +60,7 @@ import numpy as np
 from numba import boolean, cuda, float32, float64, int32, int64, uint64
 
 from kdt.kernels import elementwise as ew
-from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, ldcg2, register_ptx
+from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, grid_dependency_wait, ldcg2, register_ptx
 from kdt.kernels.linear import linear
 
 # ---- compile-time maxima --------------------------------------------------------------------------
@@ -283,6 +283,7 @@ def _mm_kernel(epw: int, gated: bool, grouped: bool, gather: bool, ks: int, nr: 
                         acc[r * TT + t] += wv[r] * xv
 
     def kern(X, W, out, experts, n_active, offsets, rows, P, n_out, accumulate):
+        grid_dependency_wait()
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -558,6 +559,7 @@ def _moe_router_kernel(logits, bias, M, n_group, topk_group, top_k, norm, scale,
     (ties: lower expert) -- the order of a stable descending argsort. Weights are s of the chosen
     experts, / (sum + 1e-20) if norm, * scale.
     """
+    grid_dependency_wait()
     tid = cuda.threadIdx.x
     lane = tid % WARP
     w = tid // WARP
@@ -634,6 +636,7 @@ def _moe_group_kernel(topk_idx, M, E, counts, offsets, sorted_rows, sorted_slot,
     topk_idx[M, k] int32 -> counts[E], offsets[E+1], sorted_rows[P], sorted_slot[P], pos_of[M, k],
     active[n_active] (experts with tokens, ascending), n_active[1]; all int32.
     """
+    grid_dependency_wait()
     tid = cuda.threadIdx.x
     nth = cuda.blockDim.x
     K = topk_idx.shape[1]
@@ -708,6 +711,7 @@ def moe_group(topk_idx, E: int, counts, offsets, sorted_rows, sorted_slot, pos_o
 def _moe_combine_kernel(y_sorted, pos_of, topk_w, out, accumulate):
     """out[m, d] (+)= sum_slot topk_w[m, slot] * y_sorted[pos_of[m, slot], d], slots in order.
     y_sorted[P, D], pos_of[M, k] int32, topk_w[M, k] f32, out[M, D]; grid (D tiles, M)."""
+    grid_dependency_wait()
     m = cuda.blockIdx.y
     d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if d >= out.shape[1]:
@@ -1018,6 +1022,7 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
 
     def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb):
+        grid_dependency_wait()
         body(cuda.blockIdx.x, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets,
              sorted_rows, sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale,
              nlb, 0, counter)  # (no flags: the last two arguments are never read)
@@ -1279,6 +1284,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
     body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
     def kern(b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg, J):
+        grid_dependency_wait()
         body(cuda.blockIdx.x, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn,
              y_shared, M, ntg, J, cuda.gridDim.x, n_active)  # (no flags: the last argument is never read)
 
@@ -1396,6 +1402,7 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
     def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb, wgu, h,
              sdn, y_shared, ntg, J, n_a, sync):
+        grid_dependency_wait()
         v = _ab_ticket(sync)
         if v < n_a:
             body_a(v, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
@@ -1432,6 +1439,7 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
 
     def kern(h, wdn, y, active, n_active, offsets, counts, pos_of, topk_w, y_shared, out, tee, tickets, M, jc,
              n_chunks, accumulate, has_shared, has_tee):
+        grid_dependency_wait()
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -1711,6 +1719,7 @@ def _small_gate_up_kernel(epw: int, tt: int):
 
     def kern(b, gate, bias, logits, topk_idx, topk_w, wgu, h_all, sgu, h_shared, M, Mh, nrb, ntg, ntg_s, n_group,
              topk_group, top_k, norm, scale):
+        grid_dependency_wait()
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -1819,6 +1828,7 @@ def _small_down_kernel(epw: int):
     red = _v2_reduce(NR, 1)
 
     def kern(wdn, h_all, sdn, h_shared, topk_idx, topk_w, out, tee, Mh, n_x, accumulate, has_shared, has_tee):
+        grid_dependency_wait()
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, uint16, uint64
 
-from kdt.kernels.common import cdiv, f32_to_bf16, register_ptx
+from kdt.kernels.common import cdiv, f32_to_bf16, grid_dependency_wait, register_ptx
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -39,6 +39,7 @@ def _normal(seed, i):
 @cuda.jit
 def _randn_f32(out, seed, scale, offset):
     """out[n] f32 = offset + scale * normal(seed, i)."""
+    grid_dependency_wait()
     i = cuda.grid(1)
     if i < out.shape[0]:
         out[i] = float32(offset + scale * _normal(seed, i))
@@ -47,6 +48,7 @@ def _randn_f32(out, seed, scale, offset):
 @cuda.jit
 def _randn_bf16(out, seed, scale, offset):
     """out[n] uint16 = bf16 bits (round to nearest even) of offset + scale * normal(seed, i)."""
+    grid_dependency_wait()
     i = cuda.grid(1)
     if i < out.shape[0]:
         out[i] = f32_to_bf16(float32(offset + scale * _normal(seed, i)))
