@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -990,11 +990,24 @@ s25a)  # session 25, issue 7: kernel A's one-round routing (A 126 -> 80 register
 s25b)  # session 25, issue 7: programmatic dependent launch (PDL) in the captured graphs: Moonlight's whole programs
   # (AR step, oracle chain step, forwards) captured with and without it in one process (the same kernels); then the
   # engine's gpu tests (graph replay == direct launches, with PDL) beside kdt verify (tiny fp32, model_code bf16)
-  step profile_pdl 300 python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7 --launches none \
+  step profile_pdl ${PROFILE_TIMEOUT:-300} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7 --launches none \
     --pdl-ab --json "$OUT/profile-graphs-$day-moonlight-s25b.json"
   grep -h "==\|step\|forward\|empty\|build\|PDL\|Error\|error" "$OUT/profile_pdl.log" | grep -v "^ *[0-9]" | cut -c1-150
   TEST_TIMEOUT=${TEST_TIMEOUT:-200} tests_beside_verifies gpu 150 tests/test_engine_cuda.py ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b"; exit 2 ;;
+s25c)  # session 25, issue 7: PDL off by default (s25b: slower) and its launch hook moved to the launch configuration
+  # (a kernel loaded from the disk cache has no py_func): kdt verify (tiny fp32, model_code bf16) with the default,
+  # beside the engine's graph-replay and verify gpu tests with KDT_PDL=1 (each process compiles its own kernels)
+  ( step verify_cuda_fp32 170 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+    printf '%s\n' "${summary[@]}" > "$OUT/verify_tiny.txt" ) &
+  ( KDT_PDL=1 step pdl_tests 170 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -p no:cacheprovider -rf \
+      -k "graph_replay or verify_fixture_on_cuda"
+    printf '%s\n' "${summary[@]}" > "$OUT/pdl_tests.txt" ) &
+  step verify_code_cuda 170 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+  wait
+  cat "$OUT/verify_tiny.txt" "$OUT/pdl_tests.txt"; rm -f "$OUT/verify_tiny.txt" "$OUT/pdl_tests.txt"
+  grep -h "PASS\|FAIL" "$OUT"/verify_*.log | tail -n 4
+  grep -h "^FAILED\|^ERROR\|passed\|failed" "$OUT/pdl_tests.log" | cut -c1-300 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

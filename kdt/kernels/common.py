@@ -69,7 +69,7 @@ else:
 # ~1 us). Nothing runs before the wait, so the kernels compute exactly what they did. ``KDT_PDL=0``: off (the
 # kernels then wait for nothing and every launch is serialized as before). Devices before sm_90 have no
 # griddepcontrol: the call compiles to nothing there.
-PDL = os.environ.get("KDT_PDL", "1") == "1"
+PDL = os.environ.get("KDT_PDL", "0") == "1"
 WAIT_NAME = "grid_dependency_wait"
 
 if IS_SIM:
@@ -138,7 +138,7 @@ class _PdlHook:
 
             base = nd.LaunchConfig
             base(grid=1, block=1, programmatic_stream_serialization=True)
-            launch0 = nd._Kernel.launch
+            call0 = nd._LaunchConfiguration.__call__
         except Exception:  # noqa: BLE001 - a numba-cuda / cuda.core without these: plain launches
             return False
         waits: dict[int, bool] = {}
@@ -148,19 +148,19 @@ class _PdlHook:
                 kw["programmatic_stream_serialization"] = True
             return base(*a, **kw)
 
-        def launch(self, args, griddim, blockdim, stream=0, sharedmem=0):
-            k = id(self.py_func)
-            w = waits.get(k)
+        def call(lc, *args):  # kernel[grid, block, stream](*args); (a kernel loaded from the disk cache has no
+            py = lc.dispatcher.py_func  # py_func: its dispatcher does)
+            w = waits.get(id(py))
             if w is None:
-                w = waits[k] = waits_for_grid(self.py_func)
+                w = waits[id(py)] = waits_for_grid(py)
             cls.this = cls.capturing and w
             try:
-                return launch0(self, args, griddim, blockdim, stream, sharedmem)
+                return call0(lc, *args)
             finally:
                 cls.this = False
 
         nd.LaunchConfig = config
-        nd._Kernel.launch = launch
+        nd._LaunchConfiguration.__call__ = call
         cls.installed = True
         return True
 
