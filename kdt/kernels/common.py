@@ -66,9 +66,16 @@ else:
 # the kernel before it has passed the same call, and they wait in ``griddepcontrol.wait`` until that kernel has
 # finished and its writes are visible. The launch latency and the ramp of each kernel then overlap the tail of the
 # one before it instead of following it (each of the AR step's ~300 launches in a graph trails its predecessor by
-# ~1 us). Nothing runs before the wait, so the kernels compute exactly what they did. ``KDT_PDL=0``: off (the
-# kernels then wait for nothing and every launch is serialized as before). Devices before sm_90 have no
-# griddepcontrol: the call compiles to nothing there.
+# ~1 us). Nothing runs before the wait, so the kernels compute exactly what they did. Devices before sm_90 have
+# no griddepcontrol: the call compiles to nothing there.
+# OFF by default (``KDT_PDL=1`` turns it on; off, the call compiles to nothing: the sm_90 PTX of all 146 registered
+# kernels equals that of the code before, mangled names aside). Predicted: up to ~1 us less a launch, ~300 us of the
+# Moonlight AR step. Measured (H200, session 25, `scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7
+# --pdl-ab`, run s25b: the same kernels captured with and without PDL in one process, L = 176): the AR step
+# 3019 us with PDL against 2904 without, the oracle chain step 7241 / 7198, the target forward at M = 1 3012 / 2892,
+# at M = 8 7229 / 7187: 1-4% slower (why was not measured: the launch_dependents right after the wait keeps the
+# next kernel's blocks resident, waiting, from the start of this one). That run's launch hook also failed on kernels
+# loaded from the disk cache (no py_func on numba-cuda's _Kernel); it now reads the dispatcher's, not run on the H200.
 PDL = os.environ.get("KDT_PDL", "0") == "1"
 WAIT_NAME = "grid_dependency_wait"
 
