@@ -230,7 +230,7 @@ class ForwardGraphs:
         cuda.synchronize()  # the capture stream must not overtake work queued on stream 0
         gb = self.device.create_graph_builder()
         gb.begin_building()
-        with pdl_capture():  # kernels overlap their predecessor's tail (kdt.kernels.common, PDL)
+        with pdl_capture():  # KDT_PDL=1: kernels scheduled during their predecessor's tail (kdt.kernels.common)
             self.launch(M, gb)
         return gb.end_building().complete()
 

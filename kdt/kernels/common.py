@@ -73,8 +73,8 @@ else:
 # Moonlight AR step. Measured (H200, session 25, `scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7
 # --pdl-ab`, run s25b: the same kernels captured with and without PDL in one process, L = 176): the AR step
 # 3019 us with PDL against 2904 without, the oracle chain step 7241 / 7198, the target forward at M = 1 3012 / 2892,
-# at M = 8 7229 / 7187: 1-4% slower (why was not measured: the launch_dependents right after the wait keeps the
-# next kernel's blocks resident, waiting, from the start of this one). That run's launch hook also failed on kernels
+# at M = 8 7229 / 7187: 1-4% slower (why was not measured; a guess: the launch_dependents right after the wait keeps
+# the next kernel's blocks resident, waiting, from the start of this one). That run's launch hook also failed on kernels
 # loaded from the disk cache (no py_func on numba-cuda's _Kernel); it now reads the dispatcher's, not run on the H200.
 PDL = os.environ.get("KDT_PDL", "0") == "1"
 WAIT_NAME = "grid_dependency_wait"
