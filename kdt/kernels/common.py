@@ -148,7 +148,6 @@ class _PdlHook:
             call0 = nd._LaunchConfiguration.__call__
         except Exception:  # noqa: BLE001 - a numba-cuda / cuda.core without these: plain launches
             return False
-        waits: dict[int, bool] = {}
 
         def config(*a, **kw):
             if cls.this:
@@ -156,11 +155,8 @@ class _PdlHook:
             return base(*a, **kw)
 
         def call(lc, *args):  # kernel[grid, block, stream](*args); (a kernel loaded from the disk cache has no
-            py = lc.dispatcher.py_func  # py_func: its dispatcher does)
-            w = waits.get(id(py))
-            if w is None:
-                w = waits[id(py)] = waits_for_grid(py)
-            cls.this = cls.capturing and w
+            # py_func: its dispatcher does)
+            cls.this = cls.capturing and waits_for_grid(lc.dispatcher.py_func)
             try:
                 return call0(lc, *args)
             finally:
@@ -189,7 +185,7 @@ class pdl_capture:  # noqa: N801 - used as a context manager
     dependency are launched with PDL (see the PDL section); a no-op where PDL is off or unsupported."""
 
     def __enter__(self):
-        _PdlHook.capturing = _PdlHook.launch_on and _PdlHook.install()
+        _PdlHook.capturing = pdl_launches()
         return self
 
     def __exit__(self, *exc):
