@@ -3,6 +3,7 @@
     python scripts/bench_linear.py [--presets moonlight-16b-a3b,kimi-k2] [--M 1,4,8,16,32,64,128]
                                    [--big-M 512,2048] [--sweep] [--json PATH]
     python scripts/bench_linear.py --fixture fixtures/model_code.h5 [--M 1,16,17,32] [--json PATH]
+    python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,256 --tc 64   # tensor cores against v2
 
 Times each kernel like ``python -m kdt.kernels.bench`` (kdt/kernels/bench.py: launches queued behind
 a spin kernel, CUDA events around the batch; weights rotated over >= 128 MB of copies so each launch
@@ -114,6 +115,46 @@ def plan_of(M: int, N: int, K: int, tm=None, splits=None, warps=None) -> tuple[i
     return TM, S, w
 
 
+TC_PLANS = [(rt, nt, u, nw) for rt in (1, 2, 4) for nt in (1, 2, 4) for u, nw in ((2, 4), (2, 8))
+            if rt * nt <= 8]
+
+
+def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int]) -> list[dict]:
+    """v2 (FMA) against the tensor-core kernel (its default plan) per shape and M; at ``sweep_Ms`` every plan of
+    TC_PLANS too (rt, nt, u, nw: row tiles of 16 a warp, token tiles of 8 a block, words in flight, warps)."""
+    rows = []
+    print(f"{'shape':34s} {'M':>5s} {'v2 us':>9s} {'tc us':>9s} {'v2/tc':>6s} {'tc TF/s':>8s} {'plan':>12s} "
+          f"{'best us':>8s} {'best plan':>12s} {'rel diff':>9s}")
+    for name in presets:
+        for layer, N, K in shapes(name):
+            Ws = [rand((N, K), np.uint16, 1 / np.sqrt(K)) for _ in range(min(16, cdiv(128 << 20, N * K * 2)))]
+            for M in Ms:
+                x = rand((M, K))
+                y1, y2 = cuda.device_array((M, N), np.float32), cuda.device_array((M, N), np.float32)
+                f1, f2 = rotating(lin.linear_v2, Ws, x, y1), rotating(lin.linear_tc, Ws, x, y2)
+                us1, us2 = timed(f1, estimate_us(f1)), timed(f2, estimate_us(f2))
+                lin.linear_v2(x, Ws[0], y1)
+                lin.linear_tc(x, Ws[0], y2)
+                a, b = y1.copy_to_host().astype(np.float64), y2.copy_to_host().astype(np.float64)
+                diff = float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+                plan = lin.tc_plan(M, N)
+                res = {plan: us2}
+                if M in sweep_Ms:
+                    for p in TC_PLANS:
+                        if p != plan:
+                            f = rotating(lin.linear_tc, Ws, x, y2, plan=p)
+                            res[p] = timed(f, estimate_us(f))
+                best = min(res, key=res.get)
+                row = dict(preset=name, layer=layer, M=M, N=N, K=K, us_v2=us1, us_tc=us2, plan=plan, best=best,
+                           us_best=res[best], rel_diff=diff, TFLOPps_tc=2 * M * N * K / us2 * 1e-6,
+                           sweep={",".join(map(str, p)): u for p, u in res.items()})
+                rows.append(row)
+                print(f"{layer + f' N={N} K={K}':34s} {M:5d} {us1:9.1f} {us2:9.1f} {us1 / us2:6.2f} "
+                      f"{row['TFLOPps_tc']:8.1f} {str(plan):>12s} {res[best]:8.1f} {str(best):>12s} {diff:9.1e}",
+                      flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="moonlight-16b-a3b,kimi-k2")
@@ -122,7 +163,16 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--fixture", default=None, help="time this fixture's shapes (target + drafter) instead")
+    ap.add_argument("--tc", default=None, metavar="M,..", help="instead: v2 against the tensor-core kernel at "
+                    "--M, with a sweep of its plans at these M")
     args = ap.parse_args(argv)
+    if args.tc is not None:
+        rows = bench_tc(args.presets.split(","), [int(m) for m in args.M.split(",") if m],
+                        [int(m) for m in args.tc.split(",") if m])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"tc": rows}, f, indent=1)
+        return 0
     if args.fixture:
         rows = sweep_fixture(args.fixture, [int(m) for m in args.M.split(",") if m])
         if args.json:

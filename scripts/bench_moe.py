@@ -49,8 +49,14 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
     if t.ab:  # session 24: kernels A and B in one launch (and its register cap)
         old.append(("A_B_apart", r(t, ab=False)))
         old += [(f"AB_regs{n}", r(t, ab_regs=n)) for n in (0, 80, 96) if n != t.ab_regs]
+    if t.tc:  # session 26: tensor cores at M >= TC_MIN_M; the FMA tiles as before
+        saved, moe.TC_MIN_M = moe.TC_MIN_M, 0
+        try:
+            old.append(("fma", moe.v2_tiles(M, k, E, D)))
+        finally:
+            moe.TC_MIN_M = saved
     by_m = moe._v2_tiles_by_m(M, k)
-    if by_m.jc != t.jc:
+    if by_m.jc != t.jc and not t.tc:
         old.append(("C_jc_by_M", r(t, jc=by_m.jc)))
     if (by_m.tt_s, by_m.cs_s) != (t.tt_s, t.cs_s):  # session 11: kernel A's 2-token tiles (small models)
         old.append(("A_tiles_by_M", r(t, tt_s=by_m.tt_s, cs_s=by_m.cs_s)))
@@ -65,6 +71,10 @@ def sweep_variants(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tile
 
 def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
     r = dataclasses.replace
+    if t.tc:  # tensor cores: token tiles a pass, words in flight, kernel C's (and the shared down's) row tiles
+        return [(f"tc{n}", r(t, tc=n)) for n in (1, 2, 4) if n != t.tc] + [
+            ("tc_words4", r(t, u=4, u_c=4)), ("tc_words1", r(t, u=1, u_c=1)), ("tc_rows1", r(t, tc_rt=1)),
+            ("tc_rows4", r(t, tc_rt=4))]
     if M <= 1:
         return [("kernel_B_shared_last", r(t, sd_first=False)), ("rows8_words2", r(t, nr=8, u=2, nr_c=8, u_c=2)),
                 ("words2", r(t, u=2, u_c=2)), ("words8", r(t, u=8, u_c=8)), ("C_8warps", r(t, nw_c=8))]
@@ -103,8 +113,10 @@ def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> l
     return rows
 
 
-def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: float, parts: bool = False) -> list[dict]:
-    """``name``: a preset, or a fixture (``*.h5``) whose MoE layer shape is timed (random weights)."""
+def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: float, parts: bool = False,
+                 only: list[str] | None = None) -> list[dict]:
+    """``name``: a preset, or a fixture (``*.h5``) whose MoE layer shape is timed (random weights); ``only``: the
+    variants (by name) to time, the first one the baseline of "vs v1"."""
     cfg = read_config(name) if name.endswith(".h5") else preset(name)
     wdt, wb = (np.uint16, 2) if dtype == "bf16" else (np.float32, 4)
     E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
@@ -119,6 +131,8 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: fl
         if sweep:
             variants += [(f"v2 {n}", 2, t) for n, t in
                          (sweep_variants if sweep == "all" else previous_defaults)(M, k, E, D)]
+        if only:
+            variants = [v for v in variants if v[0] in only]
         ref = None
         us_v1 = None
         for vname, version, tiles in variants:
@@ -156,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--previous", dest="sweep", action="store_const", const="previous",
                     help="also time the previous default launch shapes (see previous_defaults)")
     ap.add_argument("--parts", action="store_true", help="also time version 2's launches as prefixes of the forward")
+    ap.add_argument("--only", default=None, help="comma-separated variant names to time (e.g. 'v2,v2 fma')")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
@@ -164,7 +179,8 @@ def main(argv=None) -> int:
     print(f"{'preset':18s} {'M':>3s} {'variant':16s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s} {'vs v1':>6s} "
           f"{'rel diff v1':>11s}", flush=True)
     for name in args.presets.split(","):
-        rows += bench_preset(name, [int(m) for m in args.M.split(",")], args.dtype, args.sweep, bw, args.parts)
+        rows += bench_preset(name, [int(m) for m in args.M.split(",")], args.dtype, args.sweep, bw, args.parts,
+                             args.only.split(",") if args.only else None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth_GBps": bw / 1e9, "dtype": args.dtype, "rows": rows}, f, indent=1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1007,7 +1007,44 @@ s25c)  # session 25, issue 7: PDL off by default (s25b: slower) and its launch h
   cat "$OUT/verify_tiny.txt" "$OUT/pdl_tests.txt"; rm -f "$OUT/verify_tiny.txt" "$OUT/pdl_tests.txt"
   grep -h "PASS\|FAIL" "$OUT"/verify_*.log | tail -n 4
   grep -h "^FAILED\|^ERROR\|passed\|failed" "$OUT/pdl_tests.log" | cut -c1-300 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c"; exit 2 ;;
+s26a)  # session 26, issue 7: where Moonlight's budget-63 DDTree step goes (its target forward verifies 64 tokens), launch
+  # by launch (the oracle drafter, L ~ 176): the sizing of tensor cores; then s25c's checks of the fixed PDL hook
+  step profile_b63 ${PROFILE_TIMEOUT:-300} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 63 \
+    --launches step --json "$OUT/profile-graphs-$day-moonlight-s26a.json"
+  grep -h "==\|step\|forward\|empty\|build\|phase\|launches\|Error\|error" "$OUT/profile_b63.log" | cut -c1-150 | tail -n 40
+  bash "$0" s25c ;;  # (the nested call packs and removes every log: this call's rc is then 2; the logs are in logs.tgz)
+s26b)  # session 26, issue 7: tensor cores (mma.sync m16n8k16 through inline PTX) in the MoE kernels at M >= 16: the
+  # Moonlight layer at M = 16 / 64 / 256 against the FMA tiles (bench_moe --previous: "fma"), alone on the GPU; then
+  # the MoE and tensor-core gpu tests beside kdt verify (tiny fp32, model_code bf16)
+  step moe_tc ${BENCH_TIMEOUT:-200} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 16,64,256 --previous \
+    --json "$OUT/moe-$day-moonlight-s26b.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_tc.log" | cut -c1-150
+  TEST_TIMEOUT=${TEST_TIMEOUT:-300} tests_beside_verifies gpu 200 tests/test_kernels_moe.py tests/test_kernels_tc.py \
+    -k "tc_gemm or moonlight or kimi or code_shape" ;;
+s26c)  # session 26, issue 7: tensor cores at M = 64 / 256 (s26b timed out after M = 16): the Moonlight MoE layer (v2
+  # with them against its FMA tiles), the Moonlight projections (linear_tc against v2), alone on the GPU; then the
+  # tensor-core, Moonlight MoE and linear gpu tests beside kdt verify (tiny fp32, model_code bf16)
+  step moe_tc ${BENCH_TIMEOUT:-170} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 64,256 --previous \
+    --only "v2,v2 fma" --json "$OUT/moe-$day-moonlight-s26c.json"
+  step linear_tc 110 python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 64,256 --tc "" \
+    --json "$OUT/linear-tc-$day-moonlight-s26c.json"
+  grep -h "moonlight\|N=\|Error\|error" "$OUT/moe_tc.log" "$OUT/linear_tc.log" | cut -c1-150
+  m=tests/test_kernels_moe.py::test_moe_forward_moonlight; l=tests/test_kernels_linear.py::test_linear_gpu
+  TEST_TIMEOUT=${TEST_TIMEOUT:-250} tests_beside_verifies gpu 200 tests/test_kernels_tc.py "$m[16-bf16-2]" \
+    "$m[64-bf16-2]" "$m[256-bf16-2]" "$m[1-bf16-2]" "$l[2-3072-2048-bf16]" "$l[2-576-2048-bf16]" \
+    "$l[2-2048-2048-bf16]" ;;
+s26d)  # session 26, issue 7 (s26c, slimmer: little device time left): the Moonlight MoE layer at M = 64 with tensor cores
+  # against its FMA tiles and the Moonlight projections (linear_tc against v2) at M = 64, alone on the GPU; then the
+  # tensor-core and Moonlight MoE / linear gpu tests beside kdt verify (tiny fp32, model_code bf16)
+  KDT_MOE_TC_M=32 step moe_tc ${BENCH_TIMEOUT:-110} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 64 \
+    --previous --only "v2,v2 fma" --json "$OUT/moe-$day-moonlight-s26d.json"
+  step linear_tc 80 python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 64 --tc "" \
+    --json "$OUT/linear-tc-$day-moonlight-s26d.json"
+  grep -h "moonlight\|N=\|Error\|error" "$OUT/moe_tc.log" "$OUT/linear_tc.log" | cut -c1-150
+  m=tests/test_kernels_moe.py::test_moe_forward_moonlight; l=tests/test_kernels_linear.py::test_linear_gpu
+  TEST_TIMEOUT=${TEST_TIMEOUT:-170} tests_beside_verifies gpu 170 tests/test_kernels_tc.py "${m}_tc" \
+    "${l/test_linear_gpu/test_linear_tc_gpu}[576-2048]" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -166,8 +166,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128,
                     help="prompt tokens: every timed replay runs at the L the warm-up leaves, about prompt + 50 "
                     "(issue 8's table: L 64..256)")
-    ap.add_argument("--launches", default="all", choices=("all", "ar", "none"),
-                    help="which steps to time launch by launch (all: the AR and the DDTree step)")
+    ap.add_argument("--launches", default="all", choices=("all", "ar", "step", "none"),
+                    help="which steps to time launch by launch (all: the AR and the DDTree step; step: the DDTree "
+                    "step alone)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time each whole program captured without PDL (kdt.kernels.common: the same kernels)")
     ap.add_argument("--json", default=None)
@@ -243,7 +244,7 @@ def main() -> int:
 
     steps = (("AR step", lambda: step_ar._program((0, 1, 1, False), 0)),
              (f"{kind} step (budget {args.budget})", lambda: step._program(key, 0)))
-    for name, program in steps[: {"all": 2, "ar": 1, "none": 0}[args.launches]]:
+    for name, program in [steps[i] for i in {"all": (0, 1), "ar": (0,), "step": (1,), "none": ()}[args.launches]]:
         out[name] = per_launch(program, target, drafter, args.reps, name)
     if args.json:
         with open(args.json, "w") as f:

@@ -374,8 +374,43 @@ def test_linear_v2_split_deterministic_and_scratch_reused(rng):
     assert rel_err(outs[0], linear_ref(x.copy_to_host().astype(np.float64), W_seen)) < BF16_VS_ROUNDED
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,N,K,accumulate,plan", [
+    (17, 37, 72, False, None),  # the default plan: 3 token tiles, 8 warps over 5 groups of K (some past it)
+    (40, 50, 136, True, None),  # 4 token tiles and a second token block, accumulate
+    (16, 37, 40, True, (1, 1, 1, 3)),  # one row tile, one token tile a block, 3 warps
+])
+def test_linear_tc_sim(rng, monkeypatch, M, N, K, accumulate, plan):
+    """bf16 weights at M >= TC_MIN_M (the small-matrix bound lowered for the simulator's shapes) go to the
+    tensor-core kernel through linear(); against float64 on the rounded weights, the bf16 bounds."""
+    monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(lin, "TC_MIN_M", 16)
+    W_store, W_seen, W_fp32 = _weights(rng, N, K, "bf16")
+    calls = []
+    tc_fn = lin.linear_tc
+    monkeypatch.setattr(lin, "linear_tc", lambda *a, **kw: (calls.append(1), tc_fn(*a, **kw, plan=plan)))
+    _check(rng, M, W_store, W_seen, W_fp32, accumulate)
+    assert calls == [1]
+
+
+@pytest.mark.kernels
+def test_linear_tc_rules(monkeypatch):
+    """Tensor cores for bf16, contiguous, K % 4 == 0, M >= TC_MIN_M and large enough matrices only."""
+    bf = cuda.to_device(np.zeros((64, 40), np.uint16))
+    monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 64 * 40)
+    monkeypatch.setattr(lin, "TC_MIN_M", 16)
+    assert lin.uses_tc(16, bf) and not lin.uses_tc(15, bf)
+    assert not lin.uses_tc(16, cuda.to_device(np.zeros((64, 40), np.float32)))
+    assert not lin.uses_tc(16, cuda.to_device(np.zeros((64, 42), np.uint16)))  # K % 4
+    assert not lin.uses_tc(16, cuda.to_device(np.zeros((64, 48), np.uint16))[:, :40])  # a column slice
+    assert not lin.uses_tc(16, cuda.to_device(np.zeros((63, 40), np.uint16)))  # below TC_MIN_WEIGHTS
+    monkeypatch.setattr(lin, "TC_MIN_M", 0)
+    assert not lin.uses_tc(64, bf)
+
+
 def test_linear_dispatch(monkeypatch):
     """VERSION picks the kernel family; v2 only for V2_MIN_M <= M <= V2_MAX_M."""
+    monkeypatch.setattr(lin, "TC_MIN_M", 0)
     calls = []
     monkeypatch.setattr(lin, "linear_v1", lambda x, *a: calls.append(("v1", x.shape[0])))
     monkeypatch.setattr(lin, "linear_v2", lambda x, *a: calls.append(("v2", x.shape[0])))
@@ -463,6 +498,19 @@ def test_linear_gpu(rng, version, N, K, wdtype):
     W_store, W_seen, W_fp32 = _weights(rng, N, K, wdtype)
     d_W = cuda.to_device(W_store)
     for i, M in enumerate(GPU_M):
+        _check(rng, M, W_store, W_seen, W_fp32, accumulate=bool(i % 2), d_W=d_W)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", GPU_SHAPES)
+def test_linear_tc_gpu(rng, monkeypatch, N, K):
+    """The tensor-core kernel (on from M = 16, KDT_LINEAR_TC_M) through linear() at real shapes, bf16."""
+    monkeypatch.setattr(lin, "TC_MIN_M", 16)
+    W_store, W_seen, W_fp32 = _weights(rng, N, K, "bf16")
+    d_W = cuda.to_device(W_store)
+    for i, M in enumerate(m for m in GPU_M if m >= 16):
+        assert lin.uses_tc(M, d_W)
         _check(rng, M, W_store, W_seen, W_fp32, accumulate=bool(i % 2), d_W=d_W)
 
 

@@ -518,6 +518,12 @@ V2_SIM_TILES = {
                           cs_s=True, sd_first=True, ab=True),
     "ab_shared_last": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2,
                                   cs_s=False, ab=True),
+    # tensor cores (bf16): kernel B's routed blocks and kernel C on the mma tiles, one / two 8-token tiles a pass,
+    # kernel C 2 / 3 warps splitting the input dimension (the last warps' groups partly or all past it), 2 / 1 row
+    # tiles
+    "tc": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, tc=1, tc_rt=2),
+    "tc2": moe.V2Tiles(nw=2, nr=2, u=1, tt=2, tt_s=3, u_l=1, nw_c=3, nr_c=2, tt_c=3, u_c=3, jc=1, cs=False, tc=2,
+                       tc_rt=1),
 }
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
@@ -540,6 +546,9 @@ V2_CASES = [
     (_V2_GROUPED, BF16, 1, True, False, "default"),
     (_V2_SKEW, np.float32, 11, True, True, "ab_sdf"),
     (_V2_GROUPED, BF16, 5, False, False, "ab_shared_last"),
+    # tensor cores: experts with more tokens than a pass (skew), E 7 / 8, D 20 (5 weight words: partial groups)
+    (_V2_GROUPED, BF16, 17, True, False, "tc"),
+    (dict(_V2_SKEW, hidden_size=36), BF16, 11, False, True, "tc2"),
 ]
 
 
@@ -625,8 +634,10 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
         c = preset(name)
         for M in (1, 8, 16, 17, 64, 256):
             k = c.num_experts_per_tok
-            assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == \
-                replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M), (name, M)
+            want = replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M)
+            if 0 < moe.TC_MIN_M <= M:  # tensor cores, kernel C one expert a block
+                want = replace(want, tc=moe._tc_tiles(M), jc=1)
+            assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == want, (name, M)
 
 
 def test_pack_experts_layout(rng):
@@ -692,6 +703,17 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     assert err < bound
     if dtype == BF16:
         assert rel_err(got, cache["fp32_ref"](b.astype(np.float64))) < BF16_VS_FP32_BOUND
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [32, 64, 256])
+def test_moe_forward_moonlight_tc(rng, moonlight, monkeypatch, M):
+    """Version 2 with tensor cores (on from M = 32, KDT_MOE_TC_M) at Moonlight's shape, bf16, against float64."""
+    monkeypatch.setattr(moe, "TC_MIN_M", 32)
+    cfg = moonlight[0]
+    assert moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size).tc
+    test_moe_forward_moonlight(rng, moonlight, BF16, M, 2)
 
 
 @pytest.mark.kernels

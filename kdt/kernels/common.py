@@ -37,13 +37,16 @@ if not IS_SIM:  # compiled kernels are kept on disk across runs (kdt.kernels.jit
 WARP = 32
 
 # ldcg2 / ldcg3: a[i, j] / a[i, j, k] through L2 only (ld.global.cg), for data other blocks of the same launch
-# wrote (split partials, tickets' results)
+# wrote (split partials, tickets' results); ldcs3: with the streaming hint (ld.global.cs)
 if IS_SIM:  # memory is coherent
 
     def ldcg2(a, i, j):
         return a[i, j]
 
     def ldcg3(a, i, j, k):
+        return a[i, j, k]
+
+    def ldcs3(a, i, j, k):
         return a[i, j, k]
 
 else:
@@ -59,6 +62,14 @@ else:
     @cuda.jit(device=True, inline=True)
     def ldcg3(a, i, j, k):
         return ldcg_intrinsic(a, (int64(i), int64(j), int64(k)))
+
+    from numba.cuda.cache_hints import ldcs_intrinsic
+
+    @cuda.jit(device=True, inline=True)
+    def ldcs3(a, i, j, k):
+        """a[i, j, k] with the streaming hint (ld.global.cs, evict first): weights, read once, so that they do not
+        push the activations that every warp of the block re-reads out of L1."""
+        return ldcs_intrinsic(a, (int64(i), int64(j), int64(k)))
 
 # ---- programmatic dependent launch (PDL) ---------------------------------------------------------------
 # A kernel that calls grid_dependency_wait() as its first statement is launched, inside a captured CUDA graph

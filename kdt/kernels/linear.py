@@ -67,10 +67,11 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from kdt.kernels import elementwise as ew
+from kdt.kernels import tc
 from kdt.kernels.common import IS_SIM, WARP, Src, bf16_to_f32, cdiv, jit_source, ldcg3, register_ptx
 from kdt.reference.ops import linear as linear_ref  # noqa: F401  (re-exported for tests / callers)
 
-__all__ = ["linear", "linear_v1", "linear_v2", "linear_ref", "SKINNY_MAX_M"]
+__all__ = ["linear", "linear_v1", "linear_v2", "linear_tc", "linear_ref", "SKINNY_MAX_M"]
 
 # ---- tuning constants ------------------------------------------------------------------------------
 SKINNY_MAX_M = 48  # M <= this -> skinny kernel, else the tiled GEMM (crossover measured on the H200)
@@ -154,6 +155,15 @@ FUSE_NORM_M_WORDS = 1 << 26
 # (``fuses_glu``, the bound of ``fuses_norm``): a compute-bound launch would pay up to ~half its instructions
 # (Moonlight's dense down, 2048 x 11264 at M = 512), where the separate silu_mul is cheap beside the GEMM.
 FUSE_GLU = os.environ.get("KDT_LINEAR_FUSE_GLU", "0") == "1"
+# Tensor cores (kdt.kernels.tc: mma.sync m16n8k16, bf16 weights, x as bf16 hi + lo, fp32 sums): at M >= TC_MIN_M
+# (env KDT_LINEAR_TC_M; 0: never) a bf16 matrix of at least TC_MIN_WEIGHTS weights (K a multiple of 4) runs
+# :func:`linear_tc` (session 26). v2's FMA tiles are bound by fp32 FMA issue from M = 16 (17-25 TFLOP/s at M = 64:
+# Moonlight's lm_head 2.04 ms at M = 64 in session 26's budget-63 step, ~13x its bytes). Small matrices (a small
+# model's, latency-bound, tuned in session 9) keep v2, as do the launches that fold a norm or silu * up into it.
+# OFF by default (KDT_LINEAR_TC_M=16 turns it on): its speed has not been measured on the H200 yet (its parity
+# tests ran in the simulator and compile for sm_90; the device refused session 26's last calls).
+TC_MIN_M = int(os.environ.get("KDT_LINEAR_TC_M", "0"))
+TC_MIN_WEIGHTS = 1 << 20
 
 
 def _skinny_config(M: int, N: int) -> tuple[int, int, int]:
@@ -749,10 +759,41 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> 
             return linear_v2(x, W, y, accumulate, stream, norm=(gw, eps))
         ew.rmsnorm(x, gw, eps, a, stream=stream)
         x = a
-    if v2:
+    if uses_tc(M, W):
+        linear_tc(x, W, y, accumulate, stream)
+    elif v2:
         linear_v2(x, W, y, accumulate, stream)
     else:
         linear_v1(x, W, y, accumulate, stream)
+
+
+def uses_tc(M: int, W) -> bool:
+    """``linear`` runs the tensor-core kernel for M tokens and the weight W [N, K] (see TC_MIN_M)."""
+    if not 0 < TC_MIN_M <= M:
+        return False
+    N, K = W.shape
+    return N * K >= TC_MIN_WEIGHTS and K % 4 == 0 and np.dtype(W.dtype) == np.uint16 and W.is_c_contiguous()
+
+
+def tc_plan(M: int, N: int) -> tuple[int, int, int, int]:
+    """(rt, nt, u, nw) of :func:`linear_tc`: 2 row tiles of 16 a warp, up to 4 token tiles of 8 a block (tokens
+    beyond 32 take more blocks, neighbours in the grid that share the row tile's weights through L2), 4 weight
+    words of 8 bytes in flight a lane and row, 8 warps splitting K where N is small (more warps in flight)."""
+    return 2, min(4, cdiv(M, 8)), 4 if M <= 32 else 2, 8 if N <= 4096 else 4
+
+
+def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int, int, int] | None = None) -> None:
+    """:func:`linear` on tensor cores (bf16 W [N, K], K % 4 == 0; :func:`kdt.kernels.tc.gemm_kernel`); ``plan`` =
+    (rt, nt, u, nw) overrides :func:`tc_plan` (sweeps)."""
+    M, K, N = _check_args(x, W, y)
+    if _weight_kind(W) != "bf16" or K % 4 or not W.is_c_contiguous():
+        raise ValueError(f"linear_tc: needs bf16 weights, contiguous, K a multiple of 4 (got {W.dtype} K={K})")
+    if M == 0 or N == 0:
+        return
+    rt, nt, u, nw = plan or tc_plan(M, N)
+    kern = tc.gemm_kernel(rt, nt, u, nw)
+    kern[(cdiv(M, 8 * nt), cdiv(N, 16 * rt)), nw * WARP, stream](x, W.view(np.uint64).reshape(1, N, K // 4), 0, y,
+                                                                 bool(accumulate))
 
 
 def fuses_norm(N: int, Kw: int, M: int | None = None) -> bool:

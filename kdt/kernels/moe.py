@@ -43,7 +43,9 @@ C. the routed down: block = row tile of D x a chunk of active experts; the last 
 Activations that version 2 reads as GEMM inputs are stored word-permuted (one 128-byte wavefront per
 lane group instead of 4 strided loads per weight word), weights are loaded with the streaming cache
 hint, and the tiles (``V2Tiles``, chosen by :func:`v2_tiles` from M alone, so CUDA graphs capture it)
-are specialised for 1, <= 8, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1.
+are specialised for 1, <= 8, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1. From ``TC_MIN_M`` tokens
+(bf16 weights) the GEMMs of kernels A (shared gate_up), B and C run on tensor cores (kdt.kernels.tc; see "tensor
+cores" below); the router logits stay on FMA tiles.
 
 **The small-layer path** (version 3, the default for layers of small experts at M <= ``SMALL_MAX_M``, see
 its section) drops the grouping: S1 routes and runs the gate_up of every expert for every token in one
@@ -60,7 +62,8 @@ import numpy as np
 from numba import boolean, cuda, float32, float64, int32, int64, uint64
 
 from kdt.kernels import elementwise as ew
-from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, grid_dependency_wait, ldcg2, register_ptx
+from kdt.kernels import tc
+from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, grid_dependency_wait, ldcg2, ldcs3, register_ptx
 from kdt.kernels.linear import linear
 
 # ---- compile-time maxima --------------------------------------------------------------------------
@@ -778,21 +781,6 @@ _V2_NRL = 2  # router-gate rows per logits block (all its warps split D)
 # tokens at M=64 (~6 tokens per expert: each weight row once), one combine per down tile.
 VERSION = int(os.environ.get("KDT_MOE_VERSION", "2"))
 
-if IS_SIM:
-
-    def _ldcs3(a, i, j, k):
-        return a[i, j, k]
-
-else:
-    from numba.cuda.cache_hints import ldcs_intrinsic
-
-    @_device
-    def _ldcs3(a, i, j, k):
-        """a[i, j, k] with the streaming hint (ld.global.cs, evict first): weights, read once, so that
-        they do not push the activations that every warp of the block re-reads out of L1."""
-        return ldcs_intrinsic(a, (int64(i), int64(j), int64(k)))
-
-
 def _v2_mm(epw: int, nr: int, tt: int, u: int, perm: bool, ks: int, cs: bool):
     """Device function ``mm(W, e, wr, X, xrow, kq, lane, acc, wbuf, wv)``: per-lane partial sums
     acc[r*tt + t] = sum over this lane's words w of W[e, wr[r], w] . X[xrow[t], elements of w] for
@@ -815,7 +803,7 @@ def _v2_mm(epw: int, nr: int, tt: int, u: int, perm: bool, ks: int, cs: bool):
             w = base + uint64(q * STRIDE)
             if not checked or w < Kw:
                 for r in range(NR):
-                    wbuf[q * NR + r] = _ldcs3(W, e, wr[r], w) if CS else W[e, wr[r], w]
+                    wbuf[q * NR + r] = ldcs3(W, e, wr[r], w) if CS else W[e, wr[r], w]
         for q in range(U):
             w = base + uint64(q * STRIDE)
             if not checked or w < Kw:
@@ -1013,12 +1001,12 @@ _V2_CACHE: dict[tuple, object] = {}
 
 
 def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
-                     rt: bool = True):
+                     rt: bool = True, tc: int = 0):
     """Kernel A (see the section comment and :func:`_v2_route_body`): block b is role block b."""
-    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt)
+    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, tc)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False)
+    body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False, tc)
 
     def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb):
@@ -1028,14 +1016,14 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
              nlb, 0, counter)  # (no flags: the last two arguments are never read)
 
     kern.__name__ = (f"moe2_route_nw{nw}_b{epw_b}_s{epw_s}_nr{nr_s}_tt{tt_s}_u{u_s}_ul{u_l}{'_cs' if cs_s else ''}"
-                     f"{'_rt' if rt else ''}")
+                     f"{'_rt' if rt else ''}{f'_tc{tc}' if tc else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
 
 
 def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
-                   rt: bool, sig: bool):
+                   rt: bool, sig: bool, tc: int = 0):
     """Kernel A's work as a device function of its role block ``bid`` (cached). Role blocks: nlb logits
     blocks (``_V2_NRL`` gate rows each, the nw warps split D), then the shared gate_up blocks (nw warps x
     nr_s/2 outputs each, all M tokens in tiles of tt_s). ``rt`` (route by token tile): nlb = n_eb
@@ -1044,8 +1032,9 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     (counter[0]) groups all M k pairs. Without ``rt``: nlb = n_eb blocks, each over all M tokens, and the
     last one routes all of them (M / 4 serial rounds of its 4 routing warps). ``sig`` (kernel AB): the
     grouping block raises the routed flag in ``sync`` when the grouping is written, and the last of the
-    n_a - nlb shared gate_up blocks to finish raises the shared flag."""
-    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig)
+    n_a - nlb shared gate_up blocks to finish raises the shared flag. ``tc`` (bf16 weights): the shared gate_up
+    blocks on tensor cores (16 outputs a block, tc tiles of 8 tokens a pass; see "tensor cores" below)."""
+    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig, tc)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if IS_SIM and nw > _V2_RWARPS:
@@ -1067,6 +1056,8 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     mm_s = _v2_mm(EPWS, NRS, TTS, u_s, False, 1, cs_s)
     red_s = _v2_reduce(NRS, TTS)
     pick_s = _v2_pick(NRS, TTS)
+    TCS = tc
+    gate_up_tc = _tc_gate_up(nw, tc, u_s, cs_s, False, False) if tc else None
 
     def body(bid, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb, n_a,
@@ -1235,6 +1226,8 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
                 cuda.syncthreads()
                 if tid == 0:
                     _ab_raise(sync, _SYNC_ROUTED)
+        elif TCS:  # ---- the same on tensor cores: outputs [16 (bid - nlb), + 16) of Is, all M tokens -------
+            gate_up_tc((bid - nlb) * TC_ROWS, sgu, 0, b, 0, M, counts, h_shared)  # (counts: not read)
         else:
             # ---- shared experts' gate_up: h_shared[m, perm(o)] = silu(g . b_m) * (u . b_m) ------------
             reds = cuda.shared.array(RED_S, float32)
@@ -1275,13 +1268,150 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     return body
 
 
-def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
-                       sd_first: bool = False):
-    """Kernel B (see :func:`_v2_gate_up_body`): block b is role block b."""
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first)
+# ---- tensor cores: the expert GEMMs at M >= TC_MIN_M (bf16 weights) -------------------------------------------------
+# At a DDTree verify of 16 .. 256 tokens (Moonlight: ~1.5 .. 24 tokens an expert) the FMA tiles above are bound by
+# fp32 FMA issue, not by the bytes (session 6; verify n = 64 at 6.2x its floor, n = 256 at 17.8x in session 24's
+# `kdt bench`; session 26's budget-63 step, M = 64: kernels A / B / C 169 / 603 / 280 us a layer, 27.4 of its
+# 35.4 ms). There the expert GEMMs run kdt.kernels.tc's warp tile (mma.sync m16n8k16: 16 weight rows x 8 tokens an
+# instruction, x as bf16 hi + lo): a gate_up block (kernel A's shared, kernel B's routed) computes 16 outputs (its
+# gate and its up rows: two row tiles), a down block (kernel B's shared, kernel C's routed) 16 tc_rt rows of D, for
+# nt x 8 tokens a pass, the block's nw warps splitting the input dimension (sums added in warp order through
+# shared memory). Prediction: the three launches at M = 64 from FMA issue (~1050 us a layer) to within ~2x of
+# their bytes (~1.1 GB a layer at M = 64: ~260 us at the copy bandwidth).
+# OFF by default (env KDT_MOE_TC_M=32 turns them on from 32 tokens): at M = 16 the FMA tiles won (H200, s26b,
+# `scripts/bench_moe.py --previous`: 398.9 us a layer against 446.9 with tensor cores; ~1.5 tokens an expert), and
+# M = 64 / 256, where they should win, have not been timed (the device refused the calls that would have).
+TC_MIN_M = int(os.environ.get("KDT_MOE_TC_M", "0"))  # tensor cores at M >= this (0: never)
+TC_ROWS = tc.MMA_ROWS
+
+
+def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, perm: bool):
+    """Device function ``gate_up(o0, W, e, X, start, end, rowsel, h)``: on tensor cores, for the tokens p in
+    [start, end) (X row ``rowsel[p]`` with ``gather``, else p; X word-permuted with ``perm``), outputs [o0, o0 +
+    16) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted; nt x 8 tokens a pass, the block's nw
+    warps splitting the input dimension. Every thread of the block calls it (barriers)."""
+    key = ("gate_up tc", nw, nt, u, cs, gather, perm)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
+    NW, NT, NA, NP, GATHER = nw, nt, 2 * nt * 4, nt * 4, gather  # NP: gate (and up) accumulators a lane holds
+    FRAG = tc.frag_shape(nw)
+    bmm = tc.block_mm(2, nt, u, perm, cs, nw)
+
+    def gate_up(o0, W, e, X, start, end, rowsel, h):
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        g, t = lane // 4, lane % 4
+        sm = cuda.shared.array((NW, NA, WARP), float32)
+        frag = cuda.shared.array(FRAG, int64)
+        acc = cuda.local.array(NA, float32)
+        rows = cuda.local.array(4, int64)
+        xrows = cuda.local.array(NT, int64)
+        I = W.shape[1] // 2
+        Kwh = I // 4
+        rows[0] = min(o0 + g, I - 1)
+        rows[1] = min(o0 + g + 8, I - 1)
+        rows[2] = rows[0] + I
+        rows[3] = rows[1] + I
+        for p0 in range(start, end, 8 * NT):
+            for jt in range(NT):
+                p = min(p0 + 8 * jt + g, end - 1)
+                xrows[jt] = rowsel[p] if GATHER else p
+            bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
+            for i in range(warp, NP, NW):
+                gs = tc.block_total(sm, i, lane, NW)
+                us = tc.block_total(sm, NP + i, lane, NW)
+                p = p0 + 8 * (i // 4) + 2 * t + (i & 1)
+                o = o0 + g + 8 * ((i % 4) >> 1)
+                if p < end and o < I:
+                    h[p, (o % 4) * Kwh + o // 4] = gs / (float32(1.0) + math.exp(-gs)) * us
+            cuda.syncthreads()
+
+    gate_up = _device(gate_up)
+    _V2_CACHE[key] = gate_up
+    return gate_up
+
+
+def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool):
+    """Device function ``down(d0, W, e, X, start, end, y)``: on tensor cores, y[p, d] = sum_i W[e, d, i] X[p, i]
+    for the rows d in [d0, d0 + 16 rt) of D = W.shape[1] and the tokens p in [start, end) (X word-permuted), nt x 8
+    tokens a pass, the block's nw warps splitting I. Every thread of the block calls it (barriers)."""
+    key = ("down tc", nw, rt, nt, u, cs)
+    if key in _V2_CACHE:
+        return _V2_CACHE[key]
+    NW, RT, NT, NA, NB = nw, rt, nt, rt * nt * 4, 2 * rt
+    FRAG = tc.frag_shape(nw)
+    bmm = tc.block_mm(rt, nt, u, True, cs, nw)
+
+    def down(d0, W, e, X, start, end, y):
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        g, t = lane // 4, lane % 4
+        sm = cuda.shared.array((NW, NA, WARP), float32)
+        frag = cuda.shared.array(FRAG, int64)
+        acc = cuda.local.array(NA, float32)
+        rows = cuda.local.array(NB, int64)
+        xrows = cuda.local.array(NT, int64)
+        D = W.shape[1]
+        for r in range(RT):
+            rows[2 * r] = min(d0 + TC_ROWS * r + g, D - 1)
+            rows[2 * r + 1] = min(d0 + TC_ROWS * r + g + 8, D - 1)
+        for p0 in range(start, end, 8 * NT):
+            for jt in range(NT):
+                xrows[jt] = min(p0 + 8 * jt + g, end - 1)
+            bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
+            for i in range(warp, NA, NW):
+                cc = i % 4
+                p = p0 + 8 * ((i // 4) % NT) + 2 * t + (cc & 1)
+                d = d0 + TC_ROWS * (i // (NT * 4)) + g + 8 * (cc >> 1)
+                if p < end and d < D:
+                    y[p, d] = tc.block_total(sm, i, lane, NW)
+            cuda.syncthreads()
+
+    down = _device(down)
+    _V2_CACHE[key] = down
+    return down
+
+
+def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool):
+    """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
+    ntg, outputs [16 x, 16 x + 16) of I, x = rb % ntg; all the expert's tokens) and cdiv(D, 16 rt) shared-down
+    blocks (rows [16 rt sb, 16 rt (sb + 1)) of D, all M tokens), after the routed ones or, with ``sd_first``,
+    before them."""
+    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first)
+    if key in _V2_CACHE:
+        return _V2_CACHE[key]
+    SDF, RS = sd_first, TC_ROWS * rt
+    gate_up = _tc_gate_up(nw, nt, u, cs, True, True)
+    down = _tc_down(nw, rt, nt, u, cs_s)
+
+    def body(bid, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg,
+             J, nb, sync):
+        nsd = nb - J * ntg
+        rb = bid - nsd if SDF else bid
+        if 0 <= rb < J * ntg:
+            j = rb // ntg
+            if j < n_active[0]:
+                e = int64(active[j])
+                start = int64(offsets[e])
+                gate_up((rb % ntg) * TC_ROWS, wgu, e, b_perm, start, start + counts[e], sorted_rows, h)
+        else:
+            down((bid if SDF else bid - J * ntg) * RS, sdn, 0, h_shared, 0, M, y_shared)
+
+    body = _device(body)
+    _V2_CACHE[key] = body
+    return body
+
+
+def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
+                       sd_first: bool = False, tc: int = 0, tc_rt: int = 2):
+    """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt)
+    if key in _V2_CACHE:
+        return _V2_CACHE[key]
+    if tc:
+        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first)
+    else:
+        body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
     def kern(b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg, J):
         grid_dependency_wait()
@@ -1289,7 +1419,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
              y_shared, M, ntg, J, cuda.gridDim.x, n_active)  # (no flags: the last argument is never read)
 
     kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
-                     f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}")
+                     f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1420,17 +1550,20 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
     return k
 
 
-def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
+def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: int = 0, tc_rt: int = 2):
     """Kernel C. Block b = x * n_chunks + c: rows [x*R, x*R + R) of D (R = nw * nr, nr per warp) for
     the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
     expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
     tickets[x] back to 0 after) combines the tile for the M tokens in slot order (no float atomics):
     out[m, d] (+)= y_shared[m, d] + sum_slot topk_w[m, slot] * y[pos_of[m, slot], d], and with has_tee
-    the same value into tee[m, d] (tee[>= M, D] f32; untouched without has_tee)."""
-    key = ("C", nw, epw, nr, tt, u, cs)
+    the same value into tee[m, d] (tee[>= M, D] f32; untouched without has_tee). ``tc`` (bf16 weights): the
+    routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt rows a block."""
+    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    NW, NT, EPW, NR, TT, R = nw, nw * WARP, epw, nr, tt, nw * nr
+    NW, NT, EPW, NR, TT, TC = nw, nw * WARP, epw, nr, tt, tc
+    R = TC_ROWS * tc_rt if tc else nw * nr
+    down_tc = _tc_down(nw, tc_rt, tc, u, cs) if tc else None  # (its rows: [x R, x R + R))
     RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
     WB, NACC = u * NR, NR * TT
     mm = _v2_mm(EPW, NR, TT, u, True, 1, cs)
@@ -1457,7 +1590,13 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
         d0 = x * R + warp * NR
         for r in range(NR):
             wr[r] = min(d0 + r, D - 1)
-        for j in range(c * jc, min((c + 1) * jc, int64(n_active[0]))):
+        j_end = min((c + 1) * jc, int64(n_active[0]))
+        if TC:
+            for j in range(c * jc, j_end):
+                e = int64(active[j])
+                down_tc(x * R, wdn, e, h, int64(offsets[e]), int64(offsets[e]) + counts[e], y)
+            j_end = c * jc  # (done)
+        for j in range(c * jc, j_end):
             e = int64(active[j])
             start = int64(offsets[e])
             end = start + counts[e]
@@ -1498,7 +1637,7 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool):
         if tid == 0:
             tickets[x] = 0
 
-    kern.__name__ = f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}"
+    kern.__name__ = f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1517,7 +1656,9 @@ class V2Tiles:
     grid (they do not wait for the routing; last, they ran as a tail after the routed blocks); rt: kernel
     A's logits blocks take one token tile each and route it (see ``_v2_route_body``); ab: kernels A and B
     in one launch (kernel AB, see its section; v2_tiles sets it at M <= ``AB_MAX_M``); ab_regs: kernel AB's
-    register cap per thread (0: ptxas's choice)."""
+    register cap per thread (0: ptxas's choice); tc: kernel B's routed blocks and kernel C on tensor cores, tc
+    tiles of 8 tokens a pass (0: the FMA tiles; bf16 weights only, v2_tiles sets it at M >= ``TC_MIN_M``), tc_rt:
+    kernel C's row tiles of 16 a block there."""
 
     nw: int = 4
     nr: int = 4
@@ -1536,6 +1677,8 @@ class V2Tiles:
     rt: bool = True
     ab: bool = False
     ab_regs: int = 0
+    tc: int = 0
+    tc_rt: int = 2
 
 
 # Kernel C takes one active expert per block (jc = 1) while its grid stays within about one wave of
@@ -1562,14 +1705,23 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     the latency) keep the tiles in registers (4 x 8 x 4 x 2 FMAs per unrolled step; 4 words spilled
     the accumulators to local memory). Given E and D, kernel C's jc drops to 1 where its grid then still
     fits ``_C_ONE_WAVE`` blocks, and kernel A's token tiles hold 2 tokens at 2 < M <= ``_TILES2_MAX_M``
-    where D <= ``_SMALL_D`` (small models). At M <= ``AB_MAX_M`` kernels A and B run as one launch."""
+    where D <= ``_SMALL_D`` (small models). At M <= ``AB_MAX_M`` kernels A and B run as one launch. At M >=
+    ``TC_MIN_M`` the GEMMs run on tensor cores (``tc``: :func:`_tc_tiles` token tiles a pass), kernel C one expert
+    a block."""
     t = replace(_v2_tiles_by_m(M, top_k), ab=M <= AB_MAX_M)
+    if 0 < TC_MIN_M <= M and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
+        t = replace(t, tc=_tc_tiles(M), jc=1)  # jc = 1: a block of kernel C is one expert's pass over 32 rows
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
         if D <= _SMALL_D and t.tt_s > 2 and 2 < M <= _TILES2_MAX_M:
             t = replace(t, tt_s=2, cs_s=False)
     return t
+
+
+def _tc_tiles(M: int) -> int:
+    """Token tiles of 8 a pass of the tensor-core tiles at M tokens (M k / E tokens an expert on average)."""
+    return 1 if M <= 64 else 2
 
 
 def _v2_tiles_by_m(M: int, top_k: int) -> V2Tiles:
@@ -1605,9 +1757,10 @@ class V2Launch:
 def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     """Kernels A, B and C of launch shape t for weight words of epw elements (with ``t.ab``, A and B
     are also compiled into kernel AB, :func:`_v2_ab_kernel`)."""
-    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt),
-            _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first),
-            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs))
+    tcn = t.tc if epw == 4 else 0
+    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn),
+            _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt),
+            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt))
 
 
 def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
@@ -1619,15 +1772,17 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
     t = tiles or v2_tiles(M, k, E, D)
     if t.ab and S.sync is None:
         t = replace(t, ab=False)
+    if t.tc and (L._epw != 4 or t.ab):  # tensor cores take bf16 weights (4 a word); not in kernel AB
+        t = replace(t, tc=0)
     ka, kb, kc = _v2_kernels(t, L._epw)
     J = min(E, M * k)
     has_shared = L._sgu is not None
     nlb = cdiv(E, _V2_NRL) * (cdiv(M, t.tt_s) if t.rt else 1)
     if has_shared:
         Is = L._sgu.shape[1] // 2
-        nsg = cdiv(cdiv(Is, t.nr // 2), t.nw)
+        nsg = cdiv(Is, TC_ROWS) if t.tc else cdiv(cdiv(Is, t.nr // 2), t.nw)
         sgu, sdn, hs = L._sgu, L._sdn, S.h_shared
-        nsd = cdiv(cdiv(D, t.nr), t.nw)
+        nsd = cdiv(D, TC_ROWS * t.tc_rt) if t.tc else cdiv(cdiv(D, t.nr), t.nw)
     else:
         nsg = nsd = 0
         sgu, sdn, hs = L._gu, L._dn, S.b_perm  # never read (no blocks use them)
@@ -1635,12 +1790,12 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         b, L._gate, L.bias, S.logits, S.b_perm, sgu, hs, S.topk_idx, S.topk_w, S.counts, S.offsets,
         S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter, int(M), int(L.n_group),
         int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb)))
-    ntg = cdiv(cdiv(I, t.nr // 2), t.nw)
+    ntg = cdiv(I, TC_ROWS) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
     bb = V2Launch("B gate_up+shared_down", kb, J * ntg + nsd, t.nw * WARP, J * ntg, (
         S.b_perm, L._gu, S.h, S.active, S.n_active, S.offsets, S.counts, S.sorted_rows, hs, sdn, S.y_shared,
         int(M), int(ntg), int(J)))
     n_chunks = cdiv(J, t.jc)
-    nc = cdiv(D, t.nw_c * t.nr_c) * n_chunks
+    nc = cdiv(D, TC_ROWS * t.tc_rt if t.tc else t.nw_c * t.nr_c) * n_chunks
     c = V2Launch("C down+combine", kc, nc, t.nw_c * WARP, nc, (
         S.h, L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
         out if tee is None else tee,  # (never written without a tee)
@@ -2145,7 +2300,8 @@ def _register() -> None:
                                                           int64, int64, int64, int64, int64, boolean, float64))
         register_ptx(_small_down_kernel(epw), (u3, f2, u3, f2, i2, f2, f2, f2, int64, int64, boolean, boolean, boolean))
     seen: set[int] = set()
-    shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
+    shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64, 256)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
+              + [replace(v2_tiles(M, 8), tc=_tc_tiles(M), jc=1) for M in (64, 256)]  # tensor cores (KDT_MOE_TC_M)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     for epw in (2, 4):

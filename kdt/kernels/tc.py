@@ -1,0 +1,335 @@
+"""Tensor cores from Numba: PTX's warp-wide ``mma.sync`` (m16n8k16, bf16 inputs, fp32 accumulation) as an
+inline-assembly intrinsic, and the skinny-GEMM warp tile that kdt's MoE kernels build on it.
+
+Numba has no tensor-core API, but llvmlite's ``InlineAsm`` emits any PTX instruction (as ``griddepcontrol`` in
+:mod:`kdt.kernels.common`), and ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` is one instruction:
+D[16 x 8] = A[16 x 16] B[16 x 8] + C, each of the warp's 32 lanes holding a fixed piece of every matrix. With
+lane = 4 g + t (g = 0..7, t = 0..3; PTX ISA, "matrix fragments for mma.m16n8k16 with floating point type"):
+
+- A (row-major, two bf16 a 32-bit register, the lower column in the low half): a0 = A[g, 2t:2t+2],
+  a1 = A[g+8, 2t:2t+2], a2 = A[g, 2t+8:2t+10], a3 = A[g+8, 2t+8:2t+10];
+- B (column-major): b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g];
+- C and D (fp32): c0, c1 = C[g, 2t], C[g, 2t+1]; c2, c3 = C[g+8, 2t], C[g+8, 2t+1].
+
+kdt puts the weights in A (16 output rows) and the tokens in B (8 token columns): a warp computes
+y^T[16 rows, 8 tokens] += W[rows, k] x[tokens, k]^T per instruction, for the skinny shapes of a DDTree verify
+(an expert sees ~6 of 64 tokens). The k order inside one mma is free (a product's sum does not depend on which
+k is called which, as long as A and B agree), so lane (g, t) takes the 8-byte weight word w = kb + t (bf16
+elements 4w .. 4w+3) of rows g and g+8: its low half (4w, 4w+1) is a0 / a1, its high half (4w+2, 4w+3) a2 / a3,
+and token g's x elements of the same word are b0 = x[4w, 4w+1], b1 = x[4w+2, 4w+3]. One mma consumes the words
+kb .. kb+3 of 16 rows (32 bytes a row, one sector), with plain 8-byte loads and no shuffles.
+
+Precision: x is float32; it enters as two bf16, hi = bf16(x) and lo = bf16(x - hi) (x - hi is exact in
+float32), one mma each into the same accumulators. x is so carried to ~2^-17 of itself, a bf16 weight's
+products are exact and the sums fp32: about the error of float32 FMAs (bf16 x alone would add ~2^-9 a term).
+
+Under the simulator the mma is emulated for the whole warp through shared memory (``frag``, int64
+[warps, 32, 6]; a (1, 1, 1) array, unused, on the GPU) and ``cuda.syncthreads``: every warp of a block must
+issue the same number of mma (the warp tile below keeps its trip counts uniform).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, int64, uint32, uint64
+
+from kdt.kernels.common import IS_SIM, bf16_to_f32, cdiv, f32_to_bf16, grid_dependency_wait, ldcs3
+
+MMA_K = 16  # k of one mma: 4 weight words of 4 bf16
+MMA_ROWS = 16  # weight rows (A's rows) of one mma
+MMA_COLS = 8  # token columns (B's columns) of one mma
+WORDS = MMA_K // 4  # 8-byte weight words per mma row
+
+
+def frag_shape(nw: int) -> tuple[int, int, int]:
+    """Shape of a kernel's ``frag`` shared array (int64) for nw warps: the simulator's mma exchange."""
+    return (nw, 32, 6) if IS_SIM else (1, 1, 1)
+
+
+if IS_SIM:
+    _LANES = np.arange(32)
+    _G, _T = _LANES // 4, _LANES % 4
+
+    def _bf16_np(u):
+        """uint bf16 bit patterns (any shape) -> float64."""
+        return (np.asarray(u, dtype=np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+
+    @cuda.jit(device=True)
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, frag, warp, lane):
+        """(d0, d1, d2, d3): this lane's part of D = A B + C over the warp (simulator: the warp's fragments
+        through ``frag``, the product in float64, each output rounded once to float32)."""
+        cuda.syncthreads()
+        f = frag[warp, lane]
+        f[0], f[1], f[2], f[3], f[4], f[5] = a0, a1, a2, a3, b0, b1
+        cuda.syncthreads()
+        F = frag[warp].astype(np.uint32)
+        lo, hi = _bf16_np(F & np.uint32(0xFFFF)), _bf16_np(F >> np.uint32(16))
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        for reg, dr, dc in ((0, 0, 0), (1, 8, 0), (2, 0, 8), (3, 8, 8)):
+            A[_G + dr, 2 * _T + dc] = lo[:, reg]
+            A[_G + dr, 2 * _T + dc + 1] = hi[:, reg]
+        for reg, dk in ((4, 0), (5, 8)):
+            B[2 * _T + dk, _G] = lo[:, reg]
+            B[2 * _T + dk + 1, _G] = hi[:, reg]
+        D = A @ B
+        g, t = lane // 4, lane % 4
+        d = (np.float32(c0 + D[g, 2 * t]), np.float32(c1 + D[g, 2 * t + 1]),
+             np.float32(c2 + D[g + 8, 2 * t]), np.float32(c3 + D[g + 8, 2 * t + 1]))
+        cuda.syncthreads()
+        return d
+
+else:
+    from llvmlite import ir as _ir
+    from numba import types as _types
+    from numba.cuda.extending import intrinsic as _intrinsic
+
+    _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+            "{$10, $11, $12, $13};")
+
+    @_intrinsic
+    def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = _types.UniTuple(_types.float32, 4)(*([_types.uint32] * 6 + [_types.float32] * 4))
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = _ir.FloatType(), _ir.IntType(32)
+            fty = _ir.FunctionType(_ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = _ir.InlineAsm(fty, _MMA, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            ret = builder.call(asm, args)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(ret, i) for i in range(4)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, frag, warp, lane):
+        """(d0, d1, d2, d3): this lane's part of D = A B + C over the warp (one ``mma.sync``; ``frag``,
+        ``warp`` and ``lane`` are the simulator's)."""
+        return _mma(uint32(a0), uint32(a1), uint32(a2), uint32(a3), uint32(b0), uint32(b1),
+                    float32(c0), float32(c1), float32(c2), float32(c3))
+
+
+@cuda.jit(device=True, inline=True)
+def split_bf16x2(x0, x1):
+    """(hi, lo): two float32 as bf16 pairs, x = hi + lo to ~2^-17 (x0 in the low halves)."""
+    h0 = f32_to_bf16(x0)
+    h1 = f32_to_bf16(x1)
+    l0 = f32_to_bf16(x0 - bf16_to_f32(h0))
+    l1 = f32_to_bf16(x1 - bf16_to_f32(h1))
+    return uint32(h0) | (uint32(h1) << uint32(16)), uint32(l0) | (uint32(l1) << uint32(16))
+
+
+def _device(fn):
+    """Device function decorator (also under the simulator, where a device function called from another module's
+    kernel needs the simulator's swap of its module globals, ``cuda`` included)."""
+    return cuda.jit(device=True, inline=True)(fn)
+
+
+_CACHE: dict = {}
+# unsigned constants: Numba types a signed and an unsigned 64-bit integer together as float64
+_U1, _U2, _U3, _U4 = uint64(1), uint64(2), uint64(3), uint64(4)
+
+
+def warp_mm(rt: int, nt: int, u: int, perm: bool, cs: bool):
+    """Device function ``mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane)``: the warp's tile of rt x 16
+    weight rows by nt x 8 tokens over the 4-word groups [g0, g1) of K (warp-uniform; words >= Kw count as 0):
+
+    acc[(r * nt + j) * 4 + c] += sum over those k of W[e, row, k] X[xrow, k], row = rows[2 r + (c >= 2)] (this
+    lane's rows g and g + 8 of row tile r, valid rows), token column 8 j + 2 t + (c & 1) (lane (g, t) passes
+    xrows[j] = the X row of column 8 j + g, a valid row).
+
+    W: uint64 [E, N, Kw] (4 bf16 a word); X: float32, natural [rows, 4 Kw] or, with ``perm``, word-permuted
+    (element 4 w + i at column i * Kw + w, kdt.kernels.moe's b_perm and h). u groups' weight words are loaded
+    before their first use (``cs``: with the streaming hint). Every lane of the warp issues the same mma
+    sequence: the last partial step is masked (loads skipped, zeros), not shortened."""
+    key = (rt, nt, u, perm, cs)
+    if key in _CACHE:
+        return _CACHE[key]
+    RT, NT, PERM, CS = rt, nt, perm, cs
+    NB, NWB = 2 * rt, 2 * rt * u  # weight words a lane loads a group, a step
+
+    def step_fn(uu: int, checked: bool):
+        UU, CHECKED = uu, checked
+
+        def step(W, e, rows, X, xrows, kb, Kw, acc, wbuf, frag, warp, lane):
+            t = uint64(lane % 4)
+            for q in range(UU):
+                w = kb + uint64(4 * q) + t
+                for i in range(NB):
+                    if not CHECKED or w < Kw:
+                        wbuf[q * NB + i] = ldcs3(W, e, rows[i], w) if CS else W[e, rows[i], w]
+                    else:
+                        wbuf[q * NB + i] = uint64(0)
+            for q in range(UU):
+                w = kb + uint64(4 * q) + t
+                ok = not CHECKED or w < Kw
+                for j in range(NT):
+                    xr = xrows[j]
+                    x0 = x1 = x2 = x3 = float32(0.0)
+                    if ok:
+                        if PERM:
+                            x0, x1, x2, x3 = X[xr, w], X[xr, Kw + w], X[xr, _U2 * Kw + w], X[xr, _U3 * Kw + w]
+                        else:
+                            c = _U4 * w
+                            x0, x1, x2, x3 = X[xr, c], X[xr, c + _U1], X[xr, c + _U2], X[xr, c + _U3]
+                    bh0, bl0 = split_bf16x2(x0, x1)
+                    bh1, bl1 = split_bf16x2(x2, x3)
+                    for r in range(RT):
+                        wg = wbuf[q * NB + 2 * r]
+                        wg8 = wbuf[q * NB + 2 * r + 1]
+                        a0, a2 = uint32(wg & uint64(0xFFFFFFFF)), uint32(wg >> uint64(32))
+                        a1, a3 = uint32(wg8 & uint64(0xFFFFFFFF)), uint32(wg8 >> uint64(32))
+                        k = (r * NT + j) * 4
+                        d0, d1, d2, d3 = mma_bf16(a0, a1, a2, a3, bl0, bl1, acc[k], acc[k + 1], acc[k + 2],
+                                                  acc[k + 3], frag, warp, lane)
+                        acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_bf16(a0, a1, a2, a3, bh0, bh1, d0, d1,
+                                                                              d2, d3, frag, warp, lane)
+
+        return _device(step)
+
+    U = u
+    full, one = step_fn(u, False), step_fn(1, True)
+
+    def mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane):
+        Kw = uint64(W.shape[2])
+        ue = uint64(e)
+        ur = cuda.local.array(NB, uint64)
+        ux = cuda.local.array(NT, uint64)
+        wbuf = cuda.local.array(NWB, uint64)
+        for i in range(NB):
+            ur[i] = uint64(rows[i])
+        for j in range(NT):
+            ux[j] = uint64(xrows[j])
+        kb = uint64(4 * g0)
+        kend = uint64(4 * g1)
+        while kb + uint64(4 * U) <= kend and kb + uint64(4 * U) <= Kw:  # every word of the U groups in range
+            full(W, ue, ur, X, ux, kb, Kw, acc, wbuf, frag, warp, lane)
+            kb += uint64(4 * U)
+        while kb < kend:  # the rest, a group at a time, masked
+            one(W, ue, ur, X, ux, kb, Kw, acc, wbuf, frag, warp, lane)
+            kb += uint64(4)
+
+    mm = _device(mm)
+    _CACHE[key] = mm
+    return mm
+
+
+def block_mm(rt: int, nt: int, u: int, perm: bool, cs: bool, nw: int):
+    """Device function ``bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)``: the block's pass of
+    :func:`warp_mm` (same rows, xrows, acc) over all of K, its nw warps splitting K (``k_groups``): each warp's
+    acc, from zero, into sm[warp, :, lane] (float32 [nw, 4 rt nt, 32] shared), then a ``cuda.syncthreads()``
+    (:func:`block_total` then sums a position over the warps)."""
+    key = ("block", rt, nt, u, perm, cs, nw)
+    if key in _CACHE:
+        return _CACHE[key]
+    NA, NW = 4 * rt * nt, nw
+    mm = warp_mm(rt, nt, u, perm, cs)
+
+    def bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane):
+        for i in range(NA):
+            acc[i] = float32(0.0)
+        gpw = k_groups_dev(W.shape[2], NW)
+        mm(W, e, rows, X, xrows, warp * gpw, (warp + 1) * gpw, acc, frag, warp, lane)
+        for i in range(NA):
+            sm[warp, i, lane] = acc[i]
+        cuda.syncthreads()
+
+    bmm = _device(bmm)
+    _CACHE[key] = bmm
+    return bmm
+
+
+def block_total(sm, i, lane, nw: int):
+    """Sum over the block's nw warps (in warp order) of accumulator i of lane ``lane``, from ``sm`` (float32
+    [nw, n_acc, 32] shared, written by every warp, then a ``cuda.syncthreads()``)."""
+    v = sm[0, i, lane]
+    for q in range(1, nw):
+        v += sm[q, i, lane]
+    return v
+
+
+block_total = _device(block_total)
+
+
+def gemm_kernel(rt: int, nt: int, u: int, nw: int, perm: bool = False):
+    """``y[M, N] (+)= X[M, K] W[e, N, K]^T`` (kdt.kernels.linear's tensor-core path; the warp tile's test). Block
+    (bx, by): tokens [8 nt bx, 8 nt (bx + 1)) x rows [16 rt by, 16 rt (by + 1)) (the token tiles of a row tile
+    are neighbours in the grid, so they meet its weights in L2); its nw warps split K (``k_groups``), their sums
+    added in warp order through shared memory. Signature: (X f32 [M, K], W u64 [E, N, Kw], e, y f32 [M, N],
+    accumulate)."""
+    key = ("gemm", rt, nt, u, nw, perm)
+    if key in _CACHE:
+        return _CACHE[key]
+    RT, NT, NW, NA, NB = rt, nt, nw, rt * nt * 4, 2 * rt
+    FRAG = frag_shape(nw)
+    bmm = block_mm(rt, nt, u, perm, False, nw)
+
+    def tc_gemm(X, W, e, y, accumulate):
+        grid_dependency_wait()
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.threadIdx.x // 32
+        g, t = lane // 4, lane % 4
+        sm = cuda.shared.array((NW, NA, 32), float32)
+        frag = cuda.shared.array(FRAG, int64)
+        acc = cuda.local.array(NA, float32)
+        rows = cuda.local.array(NB, int64)
+        xrows = cuda.local.array(NT, int64)
+        M, N = y.shape[0], y.shape[1]
+        m0 = cuda.blockIdx.x * 8 * NT
+        r0 = cuda.blockIdx.y * 16 * RT
+        for r in range(RT):
+            rows[2 * r] = min(r0 + 16 * r + g, N - 1)
+            rows[2 * r + 1] = min(r0 + 16 * r + g + 8, N - 1)
+        for j in range(NT):
+            xrows[j] = min(m0 + 8 * j + g, M - 1)
+        bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
+        for i in range(warp, NA, NW):
+            r = i // (NT * 4)
+            c = i % 4
+            row = r0 + 16 * r + g + 8 * (c >> 1)
+            m = m0 + 8 * ((i // 4) % NT) + 2 * t + (c & 1)
+            if row < N and m < M:
+                v = block_total(sm, i, lane, NW)
+                y[m, row] = y[m, row] + v if accumulate else v
+
+    tc_gemm.__name__ = f"tc_gemm_rt{rt}_nt{nt}_u{u}_nw{nw}{'_perm' if perm else ''}"
+    k = cuda.jit(tc_gemm)
+    _CACHE[key] = k
+    return k
+
+
+@_device
+def k_groups_dev(Kw, nw):
+    """Device twin of :func:`k_groups`."""
+    return ((Kw + 3) // 4 + nw - 1) // nw
+
+
+def k_groups(Kw: int, nw: int) -> int:
+    """4-word groups of K per warp when nw warps split K (the last ones masked past Kw)."""
+    return cdiv(cdiv(Kw, WORDS), nw)
+
+
+def acc_position(i: int, nt: int, lane: int) -> tuple[int, int, int]:
+    """(row tile r, row within the tile, token column) of accumulator i of ``warp_mm`` (host-side twin of the
+    kernels' index arithmetic, for tests)."""
+    r, rem = divmod(i, nt * 4)
+    j, c = divmod(rem, 4)
+    return r, lane // 4 + 8 * (c >> 1), 8 * j + 2 * (lane % 4) + (c & 1)
+
+
+__all__ = ["mma_bf16", "split_bf16x2", "warp_mm", "block_total", "gemm_kernel", "frag_shape", "k_groups",
+           "acc_position"]
+
+
+def _register() -> None:
+    from numba import boolean
+    from numba import float32 as f32
+    from numba import int64 as i64
+    from numba import uint64 as u64
+
+    from kdt.kernels.common import register_ptx
+
+    for shape in ((2, 1, 4, 4, True), (1, 2, 2, 4, False)):
+        register_ptx(gemm_kernel(*shape), (f32[:, ::1], u64[:, :, ::1], i64, f32[:, ::1], boolean))
+
+
+_register()
