@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1038,13 +1038,23 @@ s26d)  # session 26, issue 7 (s26c, slimmer: little device time left): the Moonl
   # tensor-core and Moonlight MoE / linear gpu tests beside kdt verify (tiny fp32, model_code bf16)
   KDT_MOE_TC_M=32 step moe_tc ${BENCH_TIMEOUT:-110} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 64 \
     --previous --only "v2,v2 fma" --json "$OUT/moe-$day-moonlight-s26d.json"
-  step linear_tc 80 python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 64 --tc "" \
+  step linear_tc ${LINEAR_TIMEOUT:-80} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 64 --tc "" \
     --json "$OUT/linear-tc-$day-moonlight-s26d.json"
   grep -h "moonlight\|N=\|Error\|error" "$OUT/moe_tc.log" "$OUT/linear_tc.log" | cut -c1-150
   m=tests/test_kernels_moe.py::test_moe_forward_moonlight; l=tests/test_kernels_linear.py::test_linear_gpu
-  TEST_TIMEOUT=${TEST_TIMEOUT:-170} tests_beside_verifies gpu 170 tests/test_kernels_tc.py "${m}_tc" \
+  TEST_TIMEOUT=${TEST_TIMEOUT:-170} tests_beside_verifies gpu ${VERIFY_TIMEOUT:-170} tests/test_kernels_tc.py "${m}_tc" \
     "${l/test_linear_gpu/test_linear_tc_gpu}[576-2048]" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d"; exit 2 ;;
+s26e)  # session 26, issue 7 (s26d, slimmer still: ~5 min of device time left): the Moonlight MoE layer at M = 64 with
+  # tensor cores against its FMA tiles, alone on the GPU; then the tensor-core gpu tests (no kdt verify: its code paths
+  # did not change, tensor cores being off by default)
+  KDT_MOE_TC_M=32 step moe_tc ${BENCH_TIMEOUT:-100} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 64 \
+    --previous --only "v2,v2 fma" --json "$OUT/moe-$day-moonlight-s26e.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_tc.log" | cut -c1-150
+  step tc_tests ${TEST_TIMEOUT:-110} python3 -m pytest -q -m gpu tests/test_kernels_tc.py \
+    "tests/test_kernels_moe.py::test_moe_forward_moonlight_tc[64]" \
+    "tests/test_kernels_linear.py::test_linear_tc_gpu[576-2048]" -p no:cacheprovider -rf
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rel_err" "$OUT/tc_tests.log" | cut -c1-300 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

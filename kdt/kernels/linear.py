@@ -64,7 +64,7 @@ import os
 from functools import cache
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint16, uint32
+from numba import boolean, cuda, float32, int32, int64, uint16, uint32, uint64
 
 from kdt.kernels import elementwise as ew
 from kdt.kernels import tc
@@ -990,6 +990,10 @@ def _register() -> None:
     for kind, TM, NR, U, warps in glu_variants():
         register_ptx(_v2_kernel(kind, TM, NR, U, warps, glu=True), V2_SIG(_KINDS[kind][2]),
                      name=f"linear_v2_glu_{kind}_{TM}x{NR}_u{U}_w{warps}")
+    # the tensor-core plans of tc_plan (the gemm's two plans of kdt.kernels.tc register there)
+    plans = {tc_plan(M, N) for M in (16, 24, 64) for N in (576, 163840)} - {(2, 1, 4, 4), (1, 2, 2, 4)}
+    for plan in sorted(plans):
+        register_ptx(tc.gemm_kernel(*plan), (x2, uint64[:, :, ::1], int64, x2, boolean))
 
 
 _register()

@@ -1656,9 +1656,9 @@ class V2Tiles:
     grid (they do not wait for the routing; last, they ran as a tail after the routed blocks); rt: kernel
     A's logits blocks take one token tile each and route it (see ``_v2_route_body``); ab: kernels A and B
     in one launch (kernel AB, see its section; v2_tiles sets it at M <= ``AB_MAX_M``); ab_regs: kernel AB's
-    register cap per thread (0: ptxas's choice); tc: kernel B's routed blocks and kernel C on tensor cores, tc
-    tiles of 8 tokens a pass (0: the FMA tiles; bf16 weights only, v2_tiles sets it at M >= ``TC_MIN_M``), tc_rt:
-    kernel C's row tiles of 16 a block there."""
+    register cap per thread (0: ptxas's choice); tc: the expert GEMMs (kernel A's shared gate_up, B, C) on tensor
+    cores, tc tiles of 8 tokens a pass (0: the FMA tiles; bf16 weights only, v2_tiles sets it at M >= ``TC_MIN_M``),
+    tc_rt: the row tiles of 16 a block of their down projections (kernel B's shared, kernel C's routed)."""
 
     nw: int = 4
     nr: int = 4
