@@ -518,9 +518,9 @@ V2_SIM_TILES = {
                           cs_s=True, sd_first=True, ab=True),
     "ab_shared_last": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2,
                                   cs_s=False, ab=True),
-    # tensor cores (bf16): kernel B's routed blocks and kernel C on the mma tiles, one / two 8-token tiles a pass,
-    # kernel C 2 / 3 warps splitting the input dimension (the last warps' groups partly or all past it), 2 / 1 row
-    # tiles
+    # tensor cores (bf16): kernel A's shared gate_up, kernel B and kernel C on the mma tiles, one / two 8-token
+    # tiles a pass, kernel C 2 / 3 warps splitting the input dimension (the last warps' groups partly or all past
+    # it), 2 / 1 row tiles in the down projections
     "tc": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, tc=1, tc_rt=2),
     "tc2": moe.V2Tiles(nw=2, nr=2, u=1, tt=2, tt_s=3, u_l=1, nw_c=3, nr_c=2, tt_c=3, u_c=3, jc=1, cs=False, tc=2,
                        tc_rt=1),
@@ -630,13 +630,14 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
         t = moe.v2_tiles(M, 2, 8, 256)
         by_m = moe._v2_tiles_by_m(M, 2)
         assert (t.tt_s, t.cs_s) == ((2, False) if 2 < M <= 32 else (by_m.tt_s, by_m.cs_s)), M
-    for name in ("moonlight-16b-a3b", "kimi-k2"):
+    for name, tc_min in (("moonlight-16b-a3b", 0), ("kimi-k2", 0), ("moonlight-16b-a3b", 32)):
+        monkeypatch.setattr(moe, "TC_MIN_M", tc_min)  # tensor cores off (the default) / on from 32 tokens
         c = preset(name)
-        for M in (1, 8, 16, 17, 64, 256):
+        for M in (1, 8, 16, 17, 32, 64, 256):
             k = c.num_experts_per_tok
             want = replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M)
-            if 0 < moe.TC_MIN_M <= M:  # tensor cores, kernel C one expert a block
-                want = replace(want, tc=moe._tc_tiles(M), jc=1)
+            if 0 < tc_min <= M:  # tensor cores, kernel C one expert a block
+                want = replace(want, tc=1 if M <= 64 else 2, jc=1)
             assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == want, (name, M)
 
 
