@@ -48,9 +48,12 @@ def sources_hash() -> str:
     return h.hexdigest()
 
 
+_MAX_DEPTH = 16  # device functions nested deeper than this are keyed by address (the tensor-core kernels nest ~11)
+
+
 def _describe(v, depth: int = 0) -> str:
     """A stable text for a captured value (see the module docstring)."""
-    if depth > 8:
+    if depth > _MAX_DEPTH:
         return f"<deep {id(v)}>"
     py = getattr(v, "py_func", None)  # a numba dispatcher (device function or kernel)
     if py is not None:
