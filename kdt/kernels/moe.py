@@ -1308,8 +1308,7 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, perm: bool):
         xrows = cuda.local.array(NT, int64)
         I = W.shape[1] // 2
         Kwh = I // 4
-        rows[0] = min(o0 + g, I - 1)
-        rows[1] = min(o0 + g + 8, I - 1)
+        tc.tile_rows(rows, o0, I, g, 1)  # the gate rows, then the matching up rows
         rows[2] = rows[0] + I
         rows[3] = rows[1] + I
         for p0 in range(start, end, 8 * NT):
@@ -1317,11 +1316,11 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, perm: bool):
                 p = min(p0 + 8 * jt + g, end - 1)
                 xrows[jt] = rowsel[p] if GATHER else p
             bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
-            for i in range(warp, NP, NW):
+            for i in range(warp, NP, NW):  # (gate: row tile 0; up: row tile 1, the same position)
                 gs = tc.block_total(sm, i, lane, NW)
                 us = tc.block_total(sm, NP + i, lane, NW)
-                p = p0 + 8 * (i // 4) + 2 * t + (i & 1)
-                o = o0 + g + 8 * ((i % 4) >> 1)
+                p = p0 + tc.acc_col(i, NT, t)
+                o = o0 + tc.acc_row(i, NT, g)
                 if p < end and o < I:
                     h[p, (o % 4) * Kwh + o // 4] = gs / (float32(1.0) + math.exp(-gs)) * us
             cuda.syncthreads()
@@ -1352,17 +1351,14 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool):
         rows = cuda.local.array(NB, int64)
         xrows = cuda.local.array(NT, int64)
         D = W.shape[1]
-        for r in range(RT):
-            rows[2 * r] = min(d0 + TC_ROWS * r + g, D - 1)
-            rows[2 * r + 1] = min(d0 + TC_ROWS * r + g + 8, D - 1)
+        tc.tile_rows(rows, d0, D, g, RT)
         for p0 in range(start, end, 8 * NT):
             for jt in range(NT):
                 xrows[jt] = min(p0 + 8 * jt + g, end - 1)
             bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
             for i in range(warp, NA, NW):
-                cc = i % 4
-                p = p0 + 8 * ((i // 4) % NT) + 2 * t + (cc & 1)
-                d = d0 + TC_ROWS * (i // (NT * 4)) + g + 8 * (cc >> 1)
+                p = p0 + tc.acc_col(i, NT, t)
+                d = d0 + tc.acc_row(i, NT, g)
                 if p < end and d < D:
                     y[p, d] = tc.block_total(sm, i, lane, NW)
             cuda.syncthreads()
@@ -1595,22 +1591,22 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
             for j in range(c * jc, j_end):
                 e = int64(active[j])
                 down_tc(x * R, wdn, e, h, int64(offsets[e]), int64(offsets[e]) + counts[e], y)
-            j_end = c * jc  # (done)
-        for j in range(c * jc, j_end):
-            e = int64(active[j])
-            start = int64(offsets[e])
-            end = start + counts[e]
-            for p0 in range(start, end, TT):
-                nt = min(TT, end - p0)
-                for t in range(TT):
-                    xrow[t] = p0 + t if t < nt else 0
-                mm(wdn, e, wr, h, xrow, 0, lane, acc, wb, wv)
-                red_f(acc, nt, red, warp, lane)
-                if lane < nt:
-                    pick(acc, sel, lane)
-                    for r in range(NR):
-                        if d0 + r < D:
-                            y[p0 + lane, d0 + r] = sel[r]
+        else:
+            for j in range(c * jc, j_end):
+                e = int64(active[j])
+                start = int64(offsets[e])
+                end = start + counts[e]
+                for p0 in range(start, end, TT):
+                    nt = min(TT, end - p0)
+                    for t in range(TT):
+                        xrow[t] = p0 + t if t < nt else 0
+                    mm(wdn, e, wr, h, xrow, 0, lane, acc, wb, wv)
+                    red_f(acc, nt, red, warp, lane)
+                    if lane < nt:
+                        pick(acc, sel, lane)
+                        for r in range(NR):
+                            if d0 + r < D:
+                                y[p0 + lane, d0 + r] = sel[r]
         cuda.threadfence()
         cuda.syncthreads()
         if tid == 0:

@@ -33,12 +33,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
-from kdt.kernels.common import IS_SIM, bf16_to_f32, cdiv, f32_to_bf16, grid_dependency_wait, ldcs3
+from kdt.kernels.common import IS_SIM, bf16_to_f32, f32_to_bf16, grid_dependency_wait, ldcs3
 
-MMA_K = 16  # k of one mma: 4 weight words of 4 bf16
-MMA_ROWS = 16  # weight rows (A's rows) of one mma
-MMA_COLS = 8  # token columns (B's columns) of one mma
-WORDS = MMA_K // 4  # 8-byte weight words per mma row
+MMA_ROWS = 16  # weight rows (A's rows) of one mma; its 8 token columns (B's) and 4 weight words a row are literals
 
 
 def frag_shape(nw: int) -> tuple[int, int, int]:
@@ -213,6 +210,33 @@ def warp_mm(rt: int, nt: int, u: int, perm: bool, cs: bool):
     return mm
 
 
+@_device
+def k_groups(Kw, nw):
+    """4-word groups of K (Kw words) per warp when nw warps split K (the last ones masked past Kw)."""
+    return ((Kw + 3) // 4 + nw - 1) // nw
+
+
+@_device
+def tile_rows(rows, r0, n, g, rt):
+    """rows[2 r], rows[2 r + 1] = lane group g's rows of row tile r (r < rt) of the block's rows from r0: r0 + 16 r
+    + g and + 8, clamped to the n rows (``warp_mm``'s rows)."""
+    for r in range(rt):
+        rows[2 * r] = min(r0 + MMA_ROWS * r + g, n - 1)
+        rows[2 * r + 1] = min(r0 + MMA_ROWS * r + g + 8, n - 1)
+
+
+@_device
+def acc_row(i, nt, g):
+    """The row (from the block's first) of accumulator i of ``warp_mm`` with nt token tiles, lane group g."""
+    return MMA_ROWS * (i // (nt * 4)) + g + 8 * ((i % 4) >> 1)
+
+
+@_device
+def acc_col(i, nt, t):
+    """The token column (from the pass's first) of accumulator i of ``warp_mm`` with nt token tiles, lane t."""
+    return 8 * ((i // 4) % nt) + 2 * t + (i & 1)
+
+
 def block_mm(rt: int, nt: int, u: int, perm: bool, cs: bool, nw: int):
     """Device function ``bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)``: the block's pass of
     :func:`warp_mm` (same rows, xrows, acc) over all of K, its nw warps splitting K (``k_groups``): each warp's
@@ -227,7 +251,7 @@ def block_mm(rt: int, nt: int, u: int, perm: bool, cs: bool, nw: int):
     def bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane):
         for i in range(NA):
             acc[i] = float32(0.0)
-        gpw = k_groups_dev(W.shape[2], NW)
+        gpw = k_groups(W.shape[2], NW)
         mm(W, e, rows, X, xrows, warp * gpw, (warp + 1) * gpw, acc, frag, warp, lane)
         for i in range(NA):
             sm[warp, i, lane] = acc[i]
@@ -275,18 +299,14 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, perm: bool = False):
         xrows = cuda.local.array(NT, int64)
         M, N = y.shape[0], y.shape[1]
         m0 = cuda.blockIdx.x * 8 * NT
-        r0 = cuda.blockIdx.y * 16 * RT
-        for r in range(RT):
-            rows[2 * r] = min(r0 + 16 * r + g, N - 1)
-            rows[2 * r + 1] = min(r0 + 16 * r + g + 8, N - 1)
+        r0 = cuda.blockIdx.y * MMA_ROWS * RT
+        tile_rows(rows, r0, N, g, RT)
         for j in range(NT):
             xrows[j] = min(m0 + 8 * j + g, M - 1)
         bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
         for i in range(warp, NA, NW):
-            r = i // (NT * 4)
-            c = i % 4
-            row = r0 + 16 * r + g + 8 * (c >> 1)
-            m = m0 + 8 * ((i // 4) % NT) + 2 * t + (c & 1)
+            row = r0 + acc_row(i, NT, g)
+            m = m0 + acc_col(i, NT, t)
             if row < N and m < M:
                 v = block_total(sm, i, lane, NW)
                 y[m, row] = y[m, row] + v if accumulate else v
@@ -297,27 +317,8 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, perm: bool = False):
     return k
 
 
-@_device
-def k_groups_dev(Kw, nw):
-    """Device twin of :func:`k_groups`."""
-    return ((Kw + 3) // 4 + nw - 1) // nw
-
-
-def k_groups(Kw: int, nw: int) -> int:
-    """4-word groups of K per warp when nw warps split K (the last ones masked past Kw)."""
-    return cdiv(cdiv(Kw, WORDS), nw)
-
-
-def acc_position(i: int, nt: int, lane: int) -> tuple[int, int, int]:
-    """(row tile r, row within the tile, token column) of accumulator i of ``warp_mm`` (host-side twin of the
-    kernels' index arithmetic, for tests)."""
-    r, rem = divmod(i, nt * 4)
-    j, c = divmod(rem, 4)
-    return r, lane // 4 + 8 * (c >> 1), 8 * j + 2 * (lane % 4) + (c & 1)
-
-
-__all__ = ["mma_bf16", "split_bf16x2", "warp_mm", "block_total", "gemm_kernel", "frag_shape", "k_groups",
-           "acc_position"]
+__all__ = ["mma_bf16", "split_bf16x2", "warp_mm", "block_mm", "block_total", "tile_rows", "acc_row", "acc_col",
+           "gemm_kernel", "frag_shape"]
 
 
 def _register() -> None:
