@@ -3,7 +3,7 @@
     python scripts/bench_linear.py [--presets moonlight-16b-a3b,kimi-k2] [--M 1,4,8,16,32,64,128]
                                    [--big-M 512,2048] [--sweep] [--json PATH]
     python scripts/bench_linear.py --fixture fixtures/model_code.h5 [--M 1,16,17,32] [--json PATH]
-    python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,256 --tc 64   # tensor cores against v2
+    python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,256 --tc 64 [--jobs 14]   # tensor cores
 
 Times each kernel like ``python -m kdt.kernels.bench`` (kdt/kernels/bench.py: launches queued behind
 a spin kernel, CUDA events around the batch; weights rotated over >= 128 MB of copies so each launch
@@ -19,6 +19,10 @@ default one (to retune kdt/kernels/linear.py's V2_* constants).
 runs them (the target in bf16, the drafter's float32 weights; one weight copy: a small model lives in
 L2), the default plan against every token tile (1 .. 16), 2 / 4 / 8 warps and the K-split the model
 picks for each, and prints the best plan per shape and M.
+
+``--tc`` times v2 against the tensor-core kernel (its default plan, and at the ``--tc`` M every plan of TC_PLANS);
+``--jobs N`` first compiles the plans in N processes at once into kdt's disk cache (a plan compiles in seconds,
+the sweep's ~30 one after another in minutes).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -115,13 +120,32 @@ def plan_of(M: int, N: int, K: int, tm=None, splits=None, warps=None) -> tuple[i
     return TM, S, w
 
 
-TC_PLANS = [(rt, nt, u, nw) for rt in (1, 2, 4) for nt in (1, 2, 4) for u, nw in ((2, 4), (2, 8))
-            if rt * nt <= 8]
+TC_PLANS = ([(rt, nt, u, nw, nw) for rt in (1, 2, 4) for nt in (1, 2, 4) for u, nw in ((2, 4), (2, 8))
+             if rt * nt <= 8]  # warps splitting K
+            + [(rt, nt, 2, nw, kw) for rt, nt in ((1, 4), (2, 4), (2, 8), (1, 8))
+               for nw, kw in ((4, 1), (8, 1), (8, 2))])  # row groups of kw warps
+
+
+def _compile_plan(plan) -> tuple:
+    """One process of ``--jobs``: compile the tensor-core kernel of ``plan`` (tiny operands: the kernel depends on
+    the plan and the argument types only) into the disk cache."""
+    x, W, y = rand((8, 64)), rand((16, 64), np.uint16), cuda.device_array((8, 16), np.float32)
+    lin.linear_tc(x, W, y, plan=plan)
+    cuda.synchronize()
+    return plan
+
+
+def precompile_tc(plans: list[tuple], jobs: int) -> None:
+    t0 = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(min(jobs, len(plans))) as pool:
+        done = list(pool.imap_unordered(_compile_plan, plans))
+    print(f"compiled {len(done)} tensor-core plans in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int]) -> list[dict]:
     """v2 (FMA) against the tensor-core kernel (its default plan) per shape and M; at ``sweep_Ms`` every plan of
-    TC_PLANS too (rt, nt, u, nw: row tiles of 16 a warp, token tiles of 8 a block, words in flight, warps)."""
+    TC_PLANS too (rt, nt, u, nw, kw: row tiles of 16 a warp, token tiles of 8 a block, words in flight, warps,
+    warps splitting K in a row group)."""
     rows = []
     print(f"{'shape':34s} {'M':>5s} {'v2 us':>9s} {'tc us':>9s} {'v2/tc':>6s} {'tc TF/s':>8s} {'plan':>12s} "
           f"{'best us':>8s} {'best plan':>12s} {'rel diff':>9s}")
@@ -163,10 +187,15 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--fixture", default=None, help="time this fixture's shapes (target + drafter) instead")
+    ap.add_argument("--jobs", type=int, default=1, help="--tc: compile the plans first in this many processes")
     ap.add_argument("--tc", default=None, metavar="M,..", help="instead: v2 against the tensor-core kernel at "
                     "--M, with a sweep of its plans at these M")
     args = ap.parse_args(argv)
     if args.tc is not None:
+        if args.jobs > 1:
+            Ms = [int(m) for m in args.M.split(",") if m]
+            default = {lin.tc_plan(M, N) for M in Ms for name in args.presets.split(",") for _, N, _ in shapes(name)}
+            precompile_tc(sorted(default | (set(TC_PLANS) if args.tc else set())), args.jobs)
         rows = bench_tc(args.presets.split(","), [int(m) for m in args.M.split(",") if m],
                         [int(m) for m in args.tc.split(",") if m])
         if args.json:

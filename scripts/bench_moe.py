@@ -2,7 +2,7 @@
 only, on the H200.
 
     python scripts/bench_moe.py [--presets moonlight-16b-a3b,kimi-k2] [--M 1,16,64] [--dtype bf16]
-                                [--sweep | --previous] [--parts] [--json PATH]
+                                [--sweep | --previous] [--only NAMES] [--parts] [--jobs N] [--json PATH]
 
 Per preset and M: us per moe_forward, GB/s of the bytes that must move once (the distinct routed
 experts the M random tokens select + the shared experts + the fp32 router gate; same model as
@@ -13,7 +13,11 @@ shapes beside the default (``kdt.kernels.moe.V2Tiles``) so one run picks the bes
 version 2's launches as growing prefixes of the forward, each launch's first role
 (``moe.V2Launch.head``: A's router logits + routing tail without the shared gate_up, B's routed
 gate_up without the shared down) before the whole launch: the increments say where the forward's
-time goes. Every new launch shape compiles its kernels first (5-30 s each), outside the timed region.
+time goes. Every new launch shape compiles its kernels first (5-65 s each), outside the timed region;
+``--jobs N`` compiles them first in N processes at once into kdt's disk cache (kdt.kernels.jit_cache), from
+which the timing process then loads them (a sweep's compiles otherwise run one after another). ``--ncu`` times
+nothing: each variant runs once to compile, then once between cuda.profile_start / profile_stop, for Nsight
+Compute (``ncu --profile-from-start off ... python scripts/bench_moe.py ... --ncu``).
 A ``--presets`` entry ending in ``.h5`` is a fixture: its MoE layer's shape, with random weights (e.g.
 ``--presets fixtures/model_code.h5 --M 1,17,65 --parts``: the learned DDTree step's MoE layers).
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -113,29 +118,84 @@ def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> l
     return rows
 
 
+def variants_for(M: int, cfg, layer, scratch, sweep: str | None, only: list[str] | None):
+    """The (name, version, tiles) timed at M: v1, v2 (and the small path where the layer is small), the sweep's
+    or the previous defaults' v2 tiles, filtered by ``only``."""
+    E, k, D = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    variants: list[tuple[str, int, moe.V2Tiles | None]] = [("v1", 1, None), ("v2", 2, None)]
+    if moe._small_supported(layer, scratch, M):  # a small layer: the small path too
+        variants.append(("v3 small", 3, None))
+    if sweep:
+        variants += [(f"v2 {n}", 2, t) for n, t in
+                     (sweep_variants if sweep == "all" else previous_defaults)(M, k, E, D)]
+    return [v for v in variants if v[0] in only] if only else variants
+
+
+def _setup(name: str, dtype: str, M_max: int):
+    cfg = read_config(name) if name.endswith(".h5") else preset(name)
+    layer = moe_layer(cfg, np.uint16 if dtype == "bf16" else np.float32)
+    return cfg, layer, moe.MoEScratch.allocate(cfg, M_max)
+
+
+def _compile_worker(job) -> str:
+    """One process of ``--jobs``: compile (run once) the variants of ``job`` into the disk cache (kdt.kernels.common
+    installs it at import)."""
+    name, dtype, M, sweep, only, names = job
+    cfg, layer, scratch = _setup(name, dtype, M)
+    b, out = rand((M, cfg.hidden_size)), cuda.device_array((M, cfg.hidden_size), np.float32)
+    for vname, version, tiles in variants_for(M, cfg, layer, scratch, sweep, only):
+        if vname in names:
+            moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles)
+    cuda.synchronize()
+    return f"{name} M={M} {','.join(names)}"
+
+
+def precompile(names: list[str], Ms: list[int], dtype: str, sweep: str | None, only: list[str] | None,
+               jobs: int) -> None:
+    """Compile every variant of every preset and M in ``jobs`` processes (spawned: each its own CUDA context)."""
+    jobs_list = []
+    for name in names:
+        cfg, layer, scratch = _setup(name, dtype, max(Ms))
+        for M in Ms:
+            jobs_list += [(name, dtype, M, sweep, only, [v[0]])
+                          for v in variants_for(M, cfg, layer, scratch, sweep, only)]
+        del layer, scratch
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(min(jobs, len(jobs_list))) as pool:
+        for done in pool.imap_unordered(_compile_worker, jobs_list):
+            print(f"  compiled {done} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def profile_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, only: list[str] | None) -> None:
+    """``--ncu``: each variant once to compile, then once inside the profiled range."""
+    cfg, layer, scratch = _setup(name, dtype, max(Ms))
+    for M in Ms:
+        b, out = rand((M, cfg.hidden_size)), cuda.device_array((M, cfg.hidden_size), np.float32)
+        for vname, version, tiles in variants_for(M, cfg, layer, scratch, sweep, only):
+            for profiled in (False, True):
+                if profiled:
+                    cuda.profile_start()
+                moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles)
+                cuda.synchronize()
+                if profiled:
+                    cuda.profile_stop()
+            print(f"{name} M={M} {vname}: profiled", flush=True)
+
+
 def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: float, parts: bool = False,
                  only: list[str] | None = None) -> list[dict]:
     """``name``: a preset, or a fixture (``*.h5``) whose MoE layer shape is timed (random weights); ``only``: the
     variants (by name) to time, the first one the baseline of "vs v1"."""
-    cfg = read_config(name) if name.endswith(".h5") else preset(name)
-    wdt, wb = (np.uint16, 2) if dtype == "bf16" else (np.float32, 4)
-    E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-    layer = moe_layer(cfg, wdt)
-    scratch = moe.MoEScratch.allocate(cfg, max(Ms))
+    cfg, layer, scratch = _setup(name, dtype, max(Ms))
+    wb = 2 if dtype == "bf16" else 4
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     rows = []
     for M in Ms:
         b, out = rand((M, D)), cuda.device_array((M, D), np.float32)
-        variants: list[tuple[str, int, moe.V2Tiles | None]] = [("v1", 1, None), ("v2", 2, None)]
-        if moe._small_supported(layer, scratch, M):  # a small layer: the small path too
-            variants.append(("v3 small", 3, None))
-        if sweep:
-            variants += [(f"v2 {n}", 2, t) for n, t in
-                         (sweep_variants if sweep == "all" else previous_defaults)(M, k, E, D)]
-        if only:
-            variants = [v for v in variants if v[0] in only]
         ref = None
         us_v1 = None
-        for vname, version, tiles in variants:
+        for vname, version, tiles in variants_for(M, cfg, layer, scratch, sweep, only):
             t0 = time.perf_counter()
             moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles)
             got = out.copy_to_host()  # compiles (first use) and checks, untimed
@@ -151,7 +211,8 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: fl
             gbs = nbytes / us * 1e-3
             row = dict(preset=name, M=M, variant=vname, us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / bw,
                        speedup_vs_v1=us_v1 / us, rel_diff_vs_v1=diff, n_active=n_active,
-                       tiles=dataclasses.asdict(tiles or moe.v2_tiles(M, k, E, D)) if version == 2 else None)
+                       tiles=dataclasses.asdict(tiles or moe.v2_tiles(M, cfg.num_experts_per_tok, E, D))
+                       if version == 2 else None)
             rows.append(row)
             print(f"{name:18s} {M:3d} {vname:16s} {us:8.1f} {gbs:7.0f} {row['pct_copy']:6.0f}% "
                   f"{us_v1 / us:5.2f}x {diff:11.1e}   ({n_active} experts, first call {t_compile:.0f} s)",
@@ -171,16 +232,24 @@ def main(argv=None) -> int:
                     help="also time the previous default launch shapes (see previous_defaults)")
     ap.add_argument("--parts", action="store_true", help="also time version 2's launches as prefixes of the forward")
     ap.add_argument("--only", default=None, help="comma-separated variant names to time (e.g. 'v2,v2 fma')")
+    ap.add_argument("--jobs", type=int, default=1, help="compile the variants first in this many processes")
+    ap.add_argument("--ncu", action="store_true", help="no timing: each variant once in a profiled range (ncu)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    Ms, only = [int(m) for m in args.M.split(",")], args.only.split(",") if args.only else None
+    if args.jobs > 1:
+        precompile(args.presets.split(","), Ms, args.dtype, args.sweep, only, args.jobs)
+    if args.ncu:
+        for name in args.presets.split(","):
+            profile_preset(name, Ms, args.dtype, args.sweep, only)
+        return 0
     bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     rows = []
     print(f"{'preset':18s} {'M':>3s} {'variant':16s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s} {'vs v1':>6s} "
           f"{'rel diff v1':>11s}", flush=True)
     for name in args.presets.split(","):
-        rows += bench_preset(name, [int(m) for m in args.M.split(",")], args.dtype, args.sweep, bw, args.parts,
-                             args.only.split(",") if args.only else None)
+        rows += bench_preset(name, Ms, args.dtype, args.sweep, bw, args.parts, only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth_GBps": bw / 1e9, "dtype": args.dtype, "rows": rows}, f, indent=1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -52,6 +52,17 @@ table_before() {  # table_before BASE JSON: issue 8's table ($tbl) with the code
   ( cd "out/$1" && OUT=$outa KDT_CACHE_DIR=/tmp/kdt_cache_base step drafter_before 200 python3 -m kdt.cli \
       train-drafter ../../fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3 \
       --json "$outa/$2"; printf '%s\n' "${summary[-1]}" )
+}
+ncu_moe() {  # ncu_moe M_LIST: Nsight Compute on the Moonlight MoE layer's launches at these M, tensor cores (v2)
+  # against the FMA tiles (v2 fma): throughput, memory, warp stalls, pipes, occupancy (bench_moe --ncu: one profiled
+  # forward a variant, after the one that compiles); the log ncu_moe.log
+  local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -n 1)
+  step ncu_moe ${NCU_TIMEOUT:-400} "$ncu" --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+    python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M "$1" --previous --only "v2,v2 fma" --ncu
+  grep -h "moe2_\|Duration\|Memory Throughput\|Compute (SM) Throughput\|DRAM Throughput\|Registers Per\|Achieved Occ\|profiled\|Error\|error" \
+    "$OUT/ncu_moe.log" | cut -c1-150
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 case "$MODE" in
@@ -1054,7 +1065,53 @@ s26e)  # session 26, issue 7 (s26d, slimmer still: ~5 min of device time left): 
     "tests/test_kernels_moe.py::test_moe_forward_moonlight_tc[64]" \
     "tests/test_kernels_linear.py::test_linear_tc_gpu[576-2048]" -p no:cacheprovider -rf
   grep -h "^FAILED\|^ERROR\|passed\|failed\|rel_err" "$OUT/tc_tests.log" | cut -c1-300 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e"; exit 2 ;;
+s27a)  # session 27, issue 7: tensor cores in the Moonlight MoE layer at M = 16 / 64 / 256 against its FMA tiles, with
+  # the tensor-core sweep (token tiles a pass, words in flight, down row tiles), every variant compiled first in 15
+  # processes (bench_moe --jobs); then the tensor-core gpu tests; then linear_tc against v2 on the projections, M = 64
+  KDT_MOE_TC_M=16 step moe_tc ${BENCH_TIMEOUT:-330} python3 scripts/bench_moe.py --presets moonlight-16b-a3b \
+    --M 16,64,256 --sweep --jobs 15 --json "$OUT/moe-$day-moonlight-s27a.json" \
+    --only "v2,v2 fma,v2 tc1,v2 tc2,v2 tc4,v2 tc_words1,v2 tc_words4,v2 tc_rows1,v2 tc_rows4"
+  grep -h "moonlight\|compiled\|Error\|error" "$OUT/moe_tc.log" | cut -c1-150
+  step tc_tests ${TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/test_kernels_tc.py \
+    tests/test_kernels_moe.py::test_moe_forward_moonlight_tc \
+    "tests/test_kernels_linear.py::test_linear_tc_gpu" -p no:cacheprovider -rf
+  grep -h "^FAILED\|^ERROR\|passed\|failed\|rel_err" "$OUT/tc_tests.log" | cut -c1-300
+  step linear_tc ${LINEAR_TIMEOUT:-80} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,256 \
+    --tc "" --json "$OUT/linear-tc-$day-moonlight-s27a.json"
+  grep -h "moonlight\|N=\|Error\|error" "$OUT/linear_tc.log" | cut -c1-150 ;;
+s27b)  # session 27, issue 7: Nsight Compute on the Moonlight MoE layer's three launches at M = 64 / 16, tensor cores
+  # (v2) against the FMA tiles (v2 fma)
+  KDT_MOE_TC_M=16 ncu_moe 64,16 ;;
+s27c)  # session 27, issue 7: tensor cores on by default (MoE from 32 tokens and 3 an expert, linear from 16): the
+  # tensor-core, Moonlight MoE (bf16) and linear gpu tests in three processes beside kdt verify (tiny fp32, model_code
+  # bf16); then Nsight Compute on the MoE layer at M = 64 (s27b's, its kernels from the tests' disk cache); then
+  # linear_tc's plans at M = 64 (row groups of warps sharing x in L1 against warps splitting K), alone
+  m=tests/test_kernels_moe.py::test_moe_forward_moonlight
+  tparts() {  # tparts NAME TESTS...: a pytest process in the background, its log $OUT/pytest_NAME.log
+    local n=$1; shift
+    ( timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu "$@" -p no:cacheprovider -rf > "$OUT/pytest_$n.log" 2>&1
+      echo "rc=$?" >> "$OUT/pytest_$n.log" ) &
+  }
+  tparts tc "${m}_tc"
+  tparts big "$m[64-bf16-2]" "$m[256-bf16-2]" "$m[64-bf16-1]" "$m[256-bf16-1]"
+  tparts small tests/test_kernels_linear.py tests/test_kernels_tc.py -k tc
+  tparts small_moe "$m[1-bf16-2]" "$m[16-bf16-2]" "$m[1-bf16-1]" "$m[16-bf16-1]"
+  ( step verify_cuda_fp32 200 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+    step verify_code_cuda 200 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
+    printf '%s\n' "${summary[@]}" > "$OUT/verify_summary.txt" ) &
+  wait
+  cat "$OUT/verify_summary.txt"; grep -h "PASS\|FAIL" "$OUT"/verify_*.log | tail -n 4
+  for n in tc big small small_moe; do echo "pytest $n:"; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" \
+    "$OUT/pytest_$n.log" | cut -c1-300; done
+  NCU_TIMEOUT=${NCU_TIMEOUT:-120} ncu_moe 64
+  step linear_tc ${LINEAR_TIMEOUT:-120} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 64 \
+    --tc 64 --json "$OUT/linear-tc-$day-moonlight-s27c.json"
+  grep -h "moonlight\|N=\|Error\|error" "$OUT/linear_tc.log" | cut -c1-150 ;;
+s27d)  # session 27, issue 7: kdt bench on the Moonlight shape with tensor cores on by default, alone on the GPU
+  step bench_moonlight ${BENCH_TIMEOUT:-540} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s27d.json"
+  tail -n 45 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

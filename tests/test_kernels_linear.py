@@ -63,8 +63,9 @@ def _check(rng, M, W_store, W_seen, W_fp32, accumulate, d_W=None, fn=None):
 
 @pytest.fixture(params=["1", "2"])
 def version(request, monkeypatch):
-    """Run the test with linear() dispatching to v1 (skinny / wide) and to v2."""
+    """Run the test with linear() dispatching to v1 (skinny / wide) and to v2 (tensor cores off: their own tests)."""
     monkeypatch.setattr(lin, "VERSION", request.param)
+    monkeypatch.setattr(lin, "TC_MIN_M", 0)
     return request.param
 
 
@@ -378,7 +379,8 @@ def test_linear_v2_split_deterministic_and_scratch_reused(rng):
 @pytest.mark.parametrize("M,N,K,accumulate,plan", [
     (17, 37, 72, False, None),  # the default plan: 3 token tiles, 8 warps over 5 groups of K (some past it)
     (40, 50, 136, True, None),  # 4 token tiles and a second token block, accumulate
-    (16, 37, 40, True, (1, 1, 1, 3)),  # one row tile, one token tile a block, 3 warps
+    (16, 37, 40, True, (1, 1, 1, 3, 3)),  # one row tile, one token tile a block, 3 warps
+    (16, 70, 40, False, (1, 1, 1, 4, 2)),  # 2 row groups of 2 warps splitting K, the last block partly past N
 ])
 def test_linear_tc_sim(rng, monkeypatch, M, N, K, accumulate, plan):
     """bf16 weights at M >= TC_MIN_M (the small-matrix bound lowered for the simulator's shapes) go to the
@@ -404,6 +406,9 @@ def test_linear_tc_rules(monkeypatch):
     assert not lin.uses_tc(16, cuda.to_device(np.zeros((64, 42), np.uint16)))  # K % 4
     assert not lin.uses_tc(16, cuda.to_device(np.zeros((64, 48), np.uint16))[:, :40])  # a column slice
     assert not lin.uses_tc(16, cuda.to_device(np.zeros((63, 40), np.uint16)))  # below TC_MIN_WEIGHTS
+    long_k = cuda.to_device(np.zeros((16, 4 * 16 + 4), np.uint16))  # K > TC_LONG_K N: v2 below M = 32
+    monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)
+    assert not lin.uses_tc(31, long_k) and lin.uses_tc(32, long_k) and lin.uses_tc(16, bf)
     monkeypatch.setattr(lin, "TC_MIN_M", 0)
     assert not lin.uses_tc(64, bf)
 
@@ -505,12 +510,12 @@ def test_linear_gpu(rng, version, N, K, wdtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", GPU_SHAPES)
 def test_linear_tc_gpu(rng, monkeypatch, N, K):
-    """The tensor-core kernel (on from M = 16, KDT_LINEAR_TC_M) through linear() at real shapes, bf16."""
+    """The tensor-core kernel (the default from M = 16, KDT_LINEAR_TC_M) through linear() at real shapes, bf16."""
     monkeypatch.setattr(lin, "TC_MIN_M", 16)
     W_store, W_seen, W_fp32 = _weights(rng, N, K, "bf16")
     d_W = cuda.to_device(W_store)
     for i, M in enumerate(m for m in GPU_M if m >= 16):
-        assert lin.uses_tc(M, d_W)
+        assert lin.uses_tc(M, d_W) == (M >= 32 or K <= lin.TC_LONG_K * N)  # (Kimi's q_a at M = 16: v2)
         _check(rng, M, W_store, W_seen, W_fp32, accumulate=bool(i % 2), d_W=d_W)
 
 
@@ -531,6 +536,18 @@ def test_linear_v2_gpu_splits_deterministic(rng, N, K):
             fn(x, d_W, d_y)
             outs.append(d_y.copy_to_host())
         assert np.array_equal(outs[0], outs[1]), f"M={M} tm={tm} splits={splits}: not deterministic"
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+def test_linear_tc_gpu_lm_head(rng):
+    """The lm_head (vocab x D) on tensor cores, the default from M = 16, bf16."""
+    N, K = 163840, 2048
+    W_store, W_seen, W_fp32 = _weights(rng, N, K, "bf16")
+    d_W = cuda.to_device(W_store)
+    for M in (16, 64):
+        assert lin.uses_tc(M, d_W)
+        _check(rng, M, W_store, W_seen, W_fp32, accumulate=False, d_W=d_W)
 
 
 @pytest.mark.kernels

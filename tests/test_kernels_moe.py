@@ -630,15 +630,18 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
         t = moe.v2_tiles(M, 2, 8, 256)
         by_m = moe._v2_tiles_by_m(M, 2)
         assert (t.tt_s, t.cs_s) == ((2, False) if 2 < M <= 32 else (by_m.tt_s, by_m.cs_s)), M
-    for name, tc_min in (("moonlight-16b-a3b", 0), ("kimi-k2", 0), ("moonlight-16b-a3b", 32)):
-        monkeypatch.setattr(moe, "TC_MIN_M", tc_min)  # tensor cores off (the default) / on from 32 tokens
+    # tensor cores from 32 tokens (the default) and 3 tokens an expert (Moonlight: 64 experts, top-6, from 32;
+    # Kimi-K2: 384 experts, top-8, from 144), off with KDT_MOE_TC_M=0; 2 token tiles a pass to 64 tokens, then 4
+    for name, tc_min, first in (("moonlight-16b-a3b", 32, 32), ("kimi-k2", 32, 144), ("moonlight-16b-a3b", 0, None)):
+        monkeypatch.setattr(moe, "TC_MIN_M", tc_min)
         c = preset(name)
-        for M in (1, 8, 16, 17, 32, 64, 256):
+        for M in (1, 8, 16, 17, 31, 32, 64, 143, 144, 256):
             k = c.num_experts_per_tok
             want = replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M)
-            if 0 < tc_min <= M:  # tensor cores, kernel C one expert a block
-                want = replace(want, tc=1 if M <= 64 else 2, jc=1)
+            if first is not None and M >= first:  # tensor cores, kernel C one expert a block
+                want = replace(want, tc=2 if M <= 64 else 4, jc=1)
             assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == want, (name, M)
+            assert moe.v2_tiles(M, 2, 8, 256).tc == 0  # small models (model_code): the FMA tiles
 
 
 def test_pack_experts_layout(rng):
@@ -708,12 +711,13 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
 
 @pytest.mark.kernels
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [32, 64, 256])
-def test_moe_forward_moonlight_tc(rng, moonlight, monkeypatch, M):
-    """Version 2 with tensor cores (on from M = 32, KDT_MOE_TC_M) at Moonlight's shape, bf16, against float64."""
-    monkeypatch.setattr(moe, "TC_MIN_M", 32)
+@pytest.mark.parametrize("M,tensor_cores", [(32, True), (64, False), (256, False)])
+def test_moe_forward_moonlight_tc(rng, moonlight, monkeypatch, M, tensor_cores):
+    """Version 2 at Moonlight's shape, bf16, against float64, where the default (test_moe_forward_moonlight) does
+    not take these tiles: tensor cores at M = 32 (their first M), the FMA tiles at M = 64 / 256 (KDT_MOE_TC_M=0)."""
+    monkeypatch.setattr(moe, "TC_MIN_M", 32 if tensor_cores else 0)
     cfg = moonlight[0]
-    assert moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size).tc
+    assert bool(moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size).tc) == tensor_cores
     test_moe_forward_moonlight(rng, moonlight, BF16, M, 2)
 
 

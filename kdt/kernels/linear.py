@@ -155,14 +155,18 @@ FUSE_NORM_M_WORDS = 1 << 26
 # (``fuses_glu``, the bound of ``fuses_norm``): a compute-bound launch would pay up to ~half its instructions
 # (Moonlight's dense down, 2048 x 11264 at M = 512), where the separate silu_mul is cheap beside the GEMM.
 FUSE_GLU = os.environ.get("KDT_LINEAR_FUSE_GLU", "0") == "1"
-# Tensor cores (kdt.kernels.tc: mma.sync m16n8k16, bf16 weights, x as bf16 hi + lo, fp32 sums): at M >= TC_MIN_M
-# (env KDT_LINEAR_TC_M; 0: never) a bf16 matrix of at least TC_MIN_WEIGHTS weights (K a multiple of 4) runs
-# :func:`linear_tc` (session 26). v2's FMA tiles are bound by fp32 FMA issue from M = 16 (17-25 TFLOP/s at M = 64:
+# Tensor cores (kdt.kernels.tc: mma.sync m16n8k16, bf16 weights, x as bf16 hi + lo, fp32 sums): at M >= TC_MIN_M a
+# bf16 matrix of at least TC_MIN_WEIGHTS weights (K a multiple of 4) runs :func:`linear_tc` (session 26, on by
+# default since session 27). v2's FMA tiles are bound by fp32 FMA issue from M = 16 (17-25 TFLOP/s at M = 64:
 # Moonlight's lm_head 2.04 ms at M = 64 in session 26's budget-63 step, ~13x its bytes). Small matrices (a small
 # model's, latency-bound, tuned in session 9) keep v2, as do the launches that fold a norm or silu * up into it.
-# OFF by default (KDT_LINEAR_TC_M=16 turns it on): its speed has not been measured on the H200 yet (its parity
-# tests ran in the simulator and compile for sm_90; the device refused session 26's last calls).
-TC_MIN_M = int(os.environ.get("KDT_LINEAR_TC_M", "0"))
+# Measured (H200, s27a, `scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,256 --tc ""`, v2 / tensor
+# cores in us): lm_head 566 / 318, 2041 / 1005, 7792 / 3809 at M = 16 / 64 / 256; q_a + kv_a (3648 x 2048) 20.4 /
+# 13.4, 56.7 / 36.7; o_proj 14.8 / 12.8, 30.2 / 19.8; the dense gate_up 87.9 / 65.2, 291.7 / 153.2; the dense down
+# (2048 x 11264) 48.2 / 53.6 at M = 16 (v2 wins: 64 blocks, long K), 148.4 / 101.5 at M = 64. So on from M = 16
+# (env KDT_LINEAR_TC_M; 0: never), except K > TC_LONG_K N below M = 32.
+TC_MIN_M = int(os.environ.get("KDT_LINEAR_TC_M", "16"))
+TC_LONG_K = 4
 TC_MIN_WEIGHTS = 1 << 20
 
 
@@ -772,28 +776,33 @@ def uses_tc(M: int, W) -> bool:
     if not 0 < TC_MIN_M <= M:
         return False
     N, K = W.shape
+    if M < 32 and K > TC_LONG_K * N:
+        return False
     return N * K >= TC_MIN_WEIGHTS and K % 4 == 0 and np.dtype(W.dtype) == np.uint16 and W.is_c_contiguous()
 
 
-def tc_plan(M: int, N: int) -> tuple[int, int, int, int]:
-    """(rt, nt, u, nw) of :func:`linear_tc`: 2 row tiles of 16 a warp, up to 4 token tiles of 8 a block (tokens
+def tc_plan(M: int, N: int) -> tuple[int, int, int, int, int]:
+    """(rt, nt, u, nw, kw) of :func:`linear_tc`: 2 row tiles of 16 a warp, up to 4 token tiles of 8 a block (tokens
     beyond 32 take more blocks, neighbours in the grid that share the row tile's weights through L2), 4 weight
-    words of 8 bytes in flight a lane and row, 8 warps splitting K where N is small (more warps in flight)."""
-    return 2, min(4, cdiv(M, 8)), 4 if M <= 32 else 2, 8 if N <= 4096 else 4
+    words of 8 bytes in flight a lane and row, 8 warps splitting K where N is small (more warps in flight), all of
+    a block's warps on the same rows (kw = nw)."""
+    nw = 8 if N <= 4096 else 4
+    return 2, min(4, cdiv(M, 8)), 4 if M <= 32 else 2, nw, nw
 
 
-def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int, int, int] | None = None) -> None:
+def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int, int, int, int] | None = None) -> None:
     """:func:`linear` on tensor cores (bf16 W [N, K], K % 4 == 0; :func:`kdt.kernels.tc.gemm_kernel`); ``plan`` =
-    (rt, nt, u, nw) overrides :func:`tc_plan` (sweeps)."""
+    (rt, nt, u, nw, kw) overrides :func:`tc_plan` (sweeps)."""
     M, K, N = _check_args(x, W, y)
     if _weight_kind(W) != "bf16" or K % 4 or not W.is_c_contiguous():
         raise ValueError(f"linear_tc: needs bf16 weights, contiguous, K a multiple of 4 (got {W.dtype} K={K})")
     if M == 0 or N == 0:
         return
-    rt, nt, u, nw = plan or tc_plan(M, N)
-    kern = tc.gemm_kernel(rt, nt, u, nw)
-    kern[(cdiv(M, 8 * nt), cdiv(N, 16 * rt)), nw * WARP, stream](x, W.view(np.uint64).reshape(1, N, K // 4), 0, y,
-                                                                 bool(accumulate))
+    rt, nt, u, nw, kw = plan or tc_plan(M, N)
+    kern = tc.gemm_kernel(rt, nt, u, nw, False, 0 if kw == nw else kw)
+    rows = 16 * rt * (nw // kw)
+    kern[(cdiv(M, 8 * nt), cdiv(N, rows)), nw * WARP, stream](x, W.view(np.uint64).reshape(1, N, K // 4), 0, y,
+                                                              bool(accumulate))
 
 
 def fuses_norm(N: int, Kw: int, M: int | None = None) -> bool:
@@ -990,10 +999,10 @@ def _register() -> None:
     for kind, TM, NR, U, warps in glu_variants():
         register_ptx(_v2_kernel(kind, TM, NR, U, warps, glu=True), V2_SIG(_KINDS[kind][2]),
                      name=f"linear_v2_glu_{kind}_{TM}x{NR}_u{U}_w{warps}")
-    # the tensor-core plans of tc_plan (the gemm's two plans of kdt.kernels.tc register there)
-    plans = {tc_plan(M, N) for M in (16, 24, 64) for N in (576, 163840)} - {(2, 1, 4, 4), (1, 2, 2, 4)}
-    for plan in sorted(plans):
-        register_ptx(tc.gemm_kernel(*plan), (x2, uint64[:, :, ::1], int64, x2, boolean))
+    # the tensor-core plans of tc_plan (kdt.kernels.tc registers the gemm's test plans)
+    for rt, nt, u, nw, kw in sorted({tc_plan(M, N) for M in (16, 24, 64) for N in (576, 163840)}):
+        register_ptx(tc.gemm_kernel(rt, nt, u, nw, False, 0 if kw == nw else kw), (x2, uint64[:, :, ::1], int64, x2,
+                                                                                    boolean))
 
 
 _register()

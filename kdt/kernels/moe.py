@@ -43,9 +43,10 @@ C. the routed down: block = row tile of D x a chunk of active experts; the last 
 Activations that version 2 reads as GEMM inputs are stored word-permuted (one 128-byte wavefront per
 lane group instead of 4 strided loads per weight word), weights are loaded with the streaming cache
 hint, and the tiles (``V2Tiles``, chosen by :func:`v2_tiles` from M alone, so CUDA graphs capture it)
-are specialised for 1, <= 8, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1. From ``TC_MIN_M`` tokens
-(bf16 weights) the GEMMs of kernels A (shared gate_up), B and C run on tensor cores (kdt.kernels.tc; see "tensor
-cores" below); the router logits stay on FMA tiles.
+are specialised for 1, <= 8, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1. Where
+:func:`uses_tc` (from ``TC_MIN_M`` tokens and ``TC_MIN_LOAD`` tokens an expert; bf16 weights) the GEMMs of kernels
+A (shared gate_up), B and C run on tensor cores (kdt.kernels.tc; see "tensor cores" below); the router logits
+stay on FMA tiles.
 
 **The small-layer path** (version 3, the default for layers of small experts at M <= ``SMALL_MAX_M``, see
 its section) drops the grouping: S1 routes and runs the gate_up of every expert for every token in one
@@ -1278,10 +1279,13 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
 # nt x 8 tokens a pass, the block's nw warps splitting the input dimension (sums added in warp order through
 # shared memory). Prediction: the three launches at M = 64 from FMA issue (~1050 us a layer) to within ~2x of
 # their bytes (~1.1 GB a layer at M = 64: ~260 us at the copy bandwidth).
-# OFF by default (env KDT_MOE_TC_M=32 turns them on from 32 tokens): at M = 16 the FMA tiles won (H200, s26b,
-# `scripts/bench_moe.py --previous`: 398.9 us a layer against 446.9 with tensor cores; ~1.5 tokens an expert), and
-# M = 64 / 256, where they should win, have not been timed (the device refused the calls that would have).
-TC_MIN_M = int(os.environ.get("KDT_MOE_TC_M", "0"))  # tensor cores at M >= this (0: never)
+# Measured on the H200 (s27a, `KDT_MOE_TC_M=16 scripts/bench_moe.py --presets moonlight-16b-a3b --M 16,64,256
+# --sweep`, the Moonlight layer in us, FMA tiles / tensor cores with 1, 2, 4 token tiles a pass): M = 16: 399 / 448,
+# 408, 591; M = 64: 1144 / 966, 643, 891; M = 256: 3563 / 3073, 1939, 1776. So they run from TC_MIN_M = 32 tokens
+# (env KDT_MOE_TC_M; 0: never) where the tokens also give the experts TC_MIN_LOAD tokens each on average (Moonlight:
+# from 32; Kimi-K2's 384 experts: from 144), with :func:`_tc_tiles` token tiles a pass.
+TC_MIN_M = int(os.environ.get("KDT_MOE_TC_M", "32"))  # tensor cores at M >= this (0: never)
+TC_MIN_LOAD = 3  # ... and M top_k >= TC_MIN_LOAD E (at M = 16, 1.5 tokens an expert, the FMA tiles won)
 TC_ROWS = tc.MMA_ROWS
 
 
@@ -1317,8 +1321,8 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, perm: bool):
                 xrows[jt] = rowsel[p] if GATHER else p
             bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
             for i in range(warp, NP, NW):  # (gate: row tile 0; up: row tile 1, the same position)
-                gs = tc.block_total(sm, i, lane, NW)
-                us = tc.block_total(sm, NP + i, lane, NW)
+                gs = tc.block_total(sm, i, lane, 0, NW)
+                us = tc.block_total(sm, NP + i, lane, 0, NW)
                 p = p0 + tc.acc_col(i, NT, t)
                 o = o0 + tc.acc_row(i, NT, g)
                 if p < end and o < I:
@@ -1360,7 +1364,7 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool):
                 p = p0 + tc.acc_col(i, NT, t)
                 d = d0 + tc.acc_row(i, NT, g)
                 if p < end and d < D:
-                    y[p, d] = tc.block_total(sm, i, lane, NW)
+                    y[p, d] = tc.block_total(sm, i, lane, 0, NW)
             cuda.syncthreads()
 
     down = _device(down)
@@ -1653,7 +1657,7 @@ class V2Tiles:
     A's logits blocks take one token tile each and route it (see ``_v2_route_body``); ab: kernels A and B
     in one launch (kernel AB, see its section; v2_tiles sets it at M <= ``AB_MAX_M``); ab_regs: kernel AB's
     register cap per thread (0: ptxas's choice); tc: the expert GEMMs (kernel A's shared gate_up, B, C) on tensor
-    cores, tc tiles of 8 tokens a pass (0: the FMA tiles; bf16 weights only, v2_tiles sets it at M >= ``TC_MIN_M``),
+    cores, tc tiles of 8 tokens a pass (0: the FMA tiles; bf16 weights only, v2_tiles sets it where :func:`uses_tc`),
     tc_rt: the row tiles of 16 a block of their down projections (kernel B's shared, kernel C's routed)."""
 
     nw: int = 4
@@ -1701,11 +1705,11 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     the latency) keep the tiles in registers (4 x 8 x 4 x 2 FMAs per unrolled step; 4 words spilled
     the accumulators to local memory). Given E and D, kernel C's jc drops to 1 where its grid then still
     fits ``_C_ONE_WAVE`` blocks, and kernel A's token tiles hold 2 tokens at 2 < M <= ``_TILES2_MAX_M``
-    where D <= ``_SMALL_D`` (small models). At M <= ``AB_MAX_M`` kernels A and B run as one launch. At M >=
-    ``TC_MIN_M`` the GEMMs run on tensor cores (``tc``: :func:`_tc_tiles` token tiles a pass), kernel C one expert
+    where D <= ``_SMALL_D`` (small models). At M <= ``AB_MAX_M`` kernels A and B run as one launch. Where
+    :func:`uses_tc` the GEMMs run on tensor cores (``tc``: :func:`_tc_tiles` token tiles a pass), kernel C one expert
     a block."""
     t = replace(_v2_tiles_by_m(M, top_k), ab=M <= AB_MAX_M)
-    if 0 < TC_MIN_M <= M and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
+    if uses_tc(M, top_k, E, D) and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
         t = replace(t, tc=_tc_tiles(M), jc=1)  # jc = 1: a block of kernel C is one expert's pass over 32 rows
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
@@ -1715,9 +1719,15 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     return t
 
 
+def uses_tc(M: int, top_k: int, E: int | None = None, D: int | None = None) -> bool:
+    """Version 2's expert GEMMs run on tensor cores at M tokens (bf16 weights; E, D None: by M alone). Small
+    models (D <= ``_SMALL_D``, their own tile rules) keep the FMA tiles: tensor cores not timed there."""
+    return 0 < TC_MIN_M <= M and (E is None or M * top_k >= TC_MIN_LOAD * E) and (D is None or D > _SMALL_D)
+
+
 def _tc_tiles(M: int) -> int:
-    """Token tiles of 8 a pass of the tensor-core tiles at M tokens (M k / E tokens an expert on average)."""
-    return 1 if M <= 64 else 2
+    """Token tiles of 8 a pass of the tensor-core tiles at M tokens (s27a: 2 at M = 64, 4 at M = 256)."""
+    return 2 if M <= 64 else 4
 
 
 def _v2_tiles_by_m(M: int, top_k: int) -> V2Tiles:
@@ -2297,7 +2307,7 @@ def _register() -> None:
         register_ptx(_small_down_kernel(epw), (u3, f2, u3, f2, i2, f2, f2, f2, int64, int64, boolean, boolean, boolean))
     seen: set[int] = set()
     shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64, 256)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
-              + [replace(v2_tiles(M, 8), tc=_tc_tiles(M), jc=1) for M in (64, 256)]  # tensor cores (KDT_MOE_TC_M)
+              + [replace(_v2_tiles_by_m(M, 8), ab=M <= AB_MAX_M) for M in (64, 256)]  # FMA tiles (KDT_MOE_TC_M=0)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     for epw in (2, 4):

@@ -237,22 +237,27 @@ def acc_col(i, nt, t):
     return 8 * ((i // 4) % nt) + 2 * t + (i & 1)
 
 
-def block_mm(rt: int, nt: int, u: int, perm: bool, cs: bool, nw: int):
+def block_mm(rt: int, nt: int, u: int, perm: bool, cs: bool, nw: int, kw: int = 0):
     """Device function ``bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)``: the block's pass of
-    :func:`warp_mm` (same rows, xrows, acc) over all of K, its nw warps splitting K (``k_groups``): each warp's
-    acc, from zero, into sm[warp, :, lane] (float32 [nw, 4 rt nt, 32] shared), then a ``cuda.syncthreads()``
-    (:func:`block_total` then sums a position over the warps)."""
-    key = ("block", rt, nt, u, perm, cs, nw)
+    :func:`warp_mm` (same rows, xrows, acc) over all of K, its nw warps in nw / kw row groups (each warp passes its
+    group's rows) of kw warps splitting K (``k_groups``; kw = 0: one group of nw): each warp's acc, from zero, into
+    sm[warp, :, lane] (float32 [nw, 4 rt nt, 32] shared), then a ``cuda.syncthreads()`` (:func:`block_total` then
+    sums a position over a group's warps). Row groups share the token tile's x through L1, a K split adds warps
+    where a grid has few blocks."""
+    key = ("block", rt, nt, u, perm, cs, nw, kw)
     if key in _CACHE:
         return _CACHE[key]
-    NA, NW = 4 * rt * nt, nw
+    KW = kw or nw
+    assert nw % KW == 0, (nw, kw)
+    NA = 4 * rt * nt
     mm = warp_mm(rt, nt, u, perm, cs)
 
     def bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane):
         for i in range(NA):
             acc[i] = float32(0.0)
-        gpw = k_groups(W.shape[2], NW)
-        mm(W, e, rows, X, xrows, warp * gpw, (warp + 1) * gpw, acc, frag, warp, lane)
+        gpw = k_groups(W.shape[2], KW)
+        kq = warp % KW
+        mm(W, e, rows, X, xrows, kq * gpw, (kq + 1) * gpw, acc, frag, warp, lane)
         for i in range(NA):
             sm[warp, i, lane] = acc[i]
         cuda.syncthreads()
@@ -262,30 +267,31 @@ def block_mm(rt: int, nt: int, u: int, perm: bool, cs: bool, nw: int):
     return bmm
 
 
-def block_total(sm, i, lane, nw: int):
-    """Sum over the block's nw warps (in warp order) of accumulator i of lane ``lane``, from ``sm`` (float32
-    [nw, n_acc, 32] shared, written by every warp, then a ``cuda.syncthreads()``)."""
-    v = sm[0, i, lane]
-    for q in range(1, nw):
-        v += sm[q, i, lane]
+def block_total(sm, i, lane, w0, kw):
+    """Sum over warps w0 .. w0 + kw - 1 (a row group, in warp order) of accumulator i of lane ``lane``, from ``sm``
+    (float32 [nw, n_acc, 32] shared, written by every warp, then a ``cuda.syncthreads()``)."""
+    v = sm[w0, i, lane]
+    for q in range(1, kw):
+        v += sm[w0 + q, i, lane]
     return v
 
 
 block_total = _device(block_total)
 
 
-def gemm_kernel(rt: int, nt: int, u: int, nw: int, perm: bool = False):
+def gemm_kernel(rt: int, nt: int, u: int, nw: int, perm: bool = False, kw: int = 0):
     """``y[M, N] (+)= X[M, K] W[e, N, K]^T`` (kdt.kernels.linear's tensor-core path; the warp tile's test). Block
-    (bx, by): tokens [8 nt bx, 8 nt (bx + 1)) x rows [16 rt by, 16 rt (by + 1)) (the token tiles of a row tile
-    are neighbours in the grid, so they meet its weights in L2); its nw warps split K (``k_groups``), their sums
-    added in warp order through shared memory. Signature: (X f32 [M, K], W u64 [E, N, Kw], e, y f32 [M, N],
-    accumulate)."""
-    key = ("gemm", rt, nt, u, nw, perm)
+    (bx, by): tokens [8 nt bx, 8 nt (bx + 1)) x rows [R by, R (by + 1)), R = 16 rt nw / kw (the token tiles of a
+    row tile are neighbours in the grid, so they meet its weights in L2); its nw warps in row groups of kw warps
+    that split K (:func:`block_mm`; kw = 0: kw = nw, one group), their sums added in warp order through shared
+    memory. Signature: (X f32 [M, K], W u64 [E, N, Kw], e, y f32 [M, N], accumulate)."""
+    key = ("gemm", rt, nt, u, nw, perm, kw)
     if key in _CACHE:
         return _CACHE[key]
-    RT, NT, NW, NA, NB = rt, nt, nw, rt * nt * 4, 2 * rt
+    KW = kw or nw
+    RT, NT, NW, NA, NB, NRG = rt, nt, nw, rt * nt * 4, 2 * rt, nw // KW
     FRAG = frag_shape(nw)
-    bmm = block_mm(rt, nt, u, perm, False, nw)
+    bmm = block_mm(rt, nt, u, perm, False, nw, kw)
 
     def tc_gemm(X, W, e, y, accumulate):
         grid_dependency_wait()
@@ -299,19 +305,20 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, perm: bool = False):
         xrows = cuda.local.array(NT, int64)
         M, N = y.shape[0], y.shape[1]
         m0 = cuda.blockIdx.x * 8 * NT
-        r0 = cuda.blockIdx.y * MMA_ROWS * RT
-        tile_rows(rows, r0, N, g, RT)
+        r0 = cuda.blockIdx.y * MMA_ROWS * RT * NRG
+        tile_rows(rows, r0 + (warp // KW) * MMA_ROWS * RT, N, g, RT)
         for j in range(NT):
             xrows[j] = min(m0 + 8 * j + g, M - 1)
         bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
-        for i in range(warp, NA, NW):
-            row = r0 + acc_row(i, NT, g)
+        for ix in range(warp, NA * NRG, NW):
+            q, i = ix // NA, ix % NA
+            row = r0 + q * MMA_ROWS * RT + acc_row(i, NT, g)
             m = m0 + acc_col(i, NT, t)
             if row < N and m < M:
-                v = block_total(sm, i, lane, NW)
+                v = block_total(sm, i, lane, q * KW, KW)
                 y[m, row] = y[m, row] + v if accumulate else v
 
-    tc_gemm.__name__ = f"tc_gemm_rt{rt}_nt{nt}_u{u}_nw{nw}{'_perm' if perm else ''}"
+    tc_gemm.__name__ = f"tc_gemm_rt{rt}_nt{nt}_u{u}_nw{nw}{'_perm' if perm else ''}{f'_kw{kw}' if kw else ''}"
     k = cuda.jit(tc_gemm)
     _CACHE[key] = k
     return k
@@ -329,7 +336,7 @@ def _register() -> None:
 
     from kdt.kernels.common import register_ptx
 
-    for shape in ((2, 1, 4, 4, True), (1, 2, 2, 4, False)):
+    for shape in ((2, 1, 4, 4, True), (1, 2, 2, 4, False), (2, 4, 2, 4, False, 1)):
         register_ptx(gemm_kernel(*shape), (f32[:, ::1], u64[:, :, ::1], i64, f32[:, ::1], boolean))
 
 
