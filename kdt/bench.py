@@ -9,11 +9,12 @@ Timings: CUDA events (or the host clock on the CPU backend) after warm-up, media
 
 from __future__ import annotations
 
+import multiprocessing
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -227,49 +228,50 @@ def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConf
         rows.append(r)
         log(f"{r.name}: {r.value:.1f} tok/s ({ms:.2f} ms)")
 
-    prompt = rng.integers(0, V, bc.prompt_len)
-    ar_generate(target, prompt, 4)  # warm-up (JIT)
-    ar, ar_host = _median_run(lambda: ar_generate(target, prompt, bc.decode_tokens), bc.repeats)
-    L = bc.prompt_len + bc.decode_tokens // 2
-    one = np.ones((1, 1), bool)
-    step_ms = ar.decode_s / max(ar.steps, 1) * 1e3
-    r = Row("decode AR", "decode", len(ar.tokens) / ar.decode_s, "tok/s", step_ms,
-            floor_ms(1, L, prompt[:1], [L], one), extra={"steps": ar.steps})
-    if peer is not None:
-        r.peer = peer.decode_tokens_per_s(prompt, bc.decode_tokens)
-    rows.append(r)
-    log(f"{r.name}: {r.value:.1f} tok/s")
+    if bc.decode_tokens:  # (0: no decode rows, e.g. a compile job of precompile)
+        prompt = rng.integers(0, V, bc.prompt_len)
+        ar_generate(target, prompt, 4)  # warm-up (JIT)
+        ar, ar_host = _median_run(lambda: ar_generate(target, prompt, bc.decode_tokens), bc.repeats)
+        L = bc.prompt_len + bc.decode_tokens // 2
+        one = np.ones((1, 1), bool)
+        step_ms = ar.decode_s / max(ar.steps, 1) * 1e3
+        r = Row("decode AR", "decode", len(ar.tokens) / ar.decode_s, "tok/s", step_ms,
+                floor_ms(1, L, prompt[:1], [L], one), extra={"steps": ar.steps})
+        if peer is not None:
+            r.peer = peer.decode_tokens_per_s(prompt, bc.decode_tokens)
+        rows.append(r)
+        log(f"{r.name}: {r.value:.1f} tok/s")
 
-    seq = np.concatenate([prompt, ar.tokens, rng.integers(0, V, 64)])
-    # warm-up: compiles the tree kernels and every token-count bucket the timed runs will meet
-    generate(target, prompt, bc.decode_tokens, drafter=OracleDrafter(seq, V, noise=0.3, seed=2), budget=bc.budget,
-             block_size=bc.block_size)
-    host_work = {"AR": ar_host}  # median host seconds a step
-    chain = bc.block_size - 1  # the oracle's best tree is its chain: the whole block, fewest nodes
-    for name, drafter, budget in (("oracle", OracleDrafter(seq, V), bc.budget),
-                                  ("oracle chain", OracleDrafter(seq, V), chain),
-                                  ("noisy", OracleDrafter(seq, V, noise=0.3, seed=1), bc.budget),
-                                  ("suffix", SuffixDrafter(V), bc.budget)):
-        if budget == chain:  # warm-up of this tree size (JIT, CUDA graph capture)
-            generate(target, prompt, 2 * bc.block_size, drafter=OracleDrafter(seq, V), budget=budget,
-                     block_size=bc.block_size)
-        res, host = _median_run(lambda d=drafter, b=budget: generate(target, prompt, bc.decode_tokens, drafter=d,
-                                                                    budget=b, block_size=bc.block_size), bc.repeats)
-        per_step = res.decode_s / max(res.steps, 1) * 1e3
-        n = budget + 1
-        tree_floor = floor_ms(n, L, rng.integers(0, V, n), L + np.arange(n) % bc.block_size, np.eye(n, dtype=bool))
-        # the peer column holds the peer's AR decode: DDTree is compared with plain decoding
-        rows.append(Row(f"decode DDTree {name}", "decode", len(res.tokens) / res.decode_s, "tok/s", per_step,
-                        tree_floor, peer=r.peer,
-                        extra={"avg_accept": res.avg_accept, "steps": res.steps, "budget": budget,
-                               "block_size": bc.block_size, "vs_kdt_ar": len(res.tokens) / res.decode_s / r.value}))
-        log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}")
-        if name == "oracle":
-            host_work["DDTree oracle"] = host
-    for name, host in host_work.items():  # the host's share of a step: drafting, launch, uploads, bookkeeping
-        if host is not None:  # (the decode's wall time less the wait for the GPU: one-program steps only)
-            rows.append(Row(f"host work per step, {name}", "host", host * 1e3, "ms/step"))
-            log(f"{rows[-1].name}: {rows[-1].value * 1e3:.0f} us")
+        seq = np.concatenate([prompt, ar.tokens, rng.integers(0, V, 64)])
+        # warm-up: compiles the tree kernels and every token-count bucket the timed runs will meet
+        generate(target, prompt, bc.decode_tokens, drafter=OracleDrafter(seq, V, noise=0.3, seed=2), budget=bc.budget,
+                 block_size=bc.block_size)
+        host_work = {"AR": ar_host}  # median host seconds a step
+        chain = bc.block_size - 1  # the oracle's best tree is its chain: the whole block, fewest nodes
+        for name, drafter, budget in (("oracle", OracleDrafter(seq, V), bc.budget),
+                                      ("oracle chain", OracleDrafter(seq, V), chain),
+                                      ("noisy", OracleDrafter(seq, V, noise=0.3, seed=1), bc.budget),
+                                      ("suffix", SuffixDrafter(V), bc.budget)):
+            if budget == chain:  # warm-up of this tree size (JIT, CUDA graph capture)
+                generate(target, prompt, 2 * bc.block_size, drafter=OracleDrafter(seq, V), budget=budget,
+                         block_size=bc.block_size)
+            res, host = _median_run(lambda d=drafter, b=budget: generate(target, prompt, bc.decode_tokens, drafter=d,
+                                                                        budget=b, block_size=bc.block_size), bc.repeats)
+            per_step = res.decode_s / max(res.steps, 1) * 1e3
+            n = budget + 1
+            tree_floor = floor_ms(n, L, rng.integers(0, V, n), L + np.arange(n) % bc.block_size, np.eye(n, dtype=bool))
+            # the peer column holds the peer's AR decode: DDTree is compared with plain decoding
+            rows.append(Row(f"decode DDTree {name}", "decode", len(res.tokens) / res.decode_s, "tok/s", per_step,
+                            tree_floor, peer=r.peer,
+                            extra={"avg_accept": res.avg_accept, "steps": res.steps, "budget": budget,
+                                   "block_size": bc.block_size, "vs_kdt_ar": len(res.tokens) / res.decode_s / r.value}))
+            log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}")
+            if name == "oracle":
+                host_work["DDTree oracle"] = host
+        for name, host in host_work.items():  # the host's share of a step: drafting, launch, uploads, bookkeeping
+            if host is not None:  # (the decode's wall time less the wait for the GPU: one-program steps only)
+                rows.append(Row(f"host work per step, {name}", "host", host * 1e3, "ms/step"))
+                log(f"{rows[-1].name}: {rows[-1].value * 1e3:.0f} us")
 
     for Lp in bc.tree_prefixes:
         for n in bc.tree_sizes:
@@ -285,22 +287,73 @@ def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConf
                             floor_ms(tree.n, Lp, toks, pos, tree.visibility)))
             log(f"{rows[-1].name}: {ms:.3f} ms (floor {rows[-1].floor_ms:.3f})")
 
-    st = StageTimer(clock)
-    drafter = OracleDrafter(seq, V)
-    target_forward, target_compact = target.forward, target.compact
-    ops = st.instrument(target, drafter)
-    t0 = time.perf_counter()
-    res = generate(target, prompt, bc.decode_tokens, drafter=drafter, budget=bc.budget, block_size=bc.block_size,
-                   ops=ops)
-    total = time.perf_counter() - t0
-    target.forward, target.compact = target_forward, target_compact
-    steps = max(res.steps, 1)
-    staged = sum(st.t.values())  # the prefill runs through target.forward, outside every stage
-    for stage, secs in st.t.items():
-        rows.append(Row(f"stage {stage}", "stage", secs / steps * 1e3, "ms/step"))
-    host = max(total - res.prefill_s - staged, 0.0)
-    rows.append(Row("stage host bookkeeping", "stage", host / steps * 1e3, "ms/step"))
+    if bc.decode_tokens:
+        st = StageTimer(clock)
+        drafter = OracleDrafter(seq, V)
+        target_forward, target_compact = target.forward, target.compact
+        ops = st.instrument(target, drafter)
+        t0 = time.perf_counter()
+        res = generate(target, prompt, bc.decode_tokens, drafter=drafter, budget=bc.budget, block_size=bc.block_size,
+                       ops=ops)
+        total = time.perf_counter() - t0
+        target.forward, target.compact = target_forward, target_compact
+        steps = max(res.steps, 1)
+        staged = sum(st.t.values())  # the prefill runs through target.forward, outside every stage
+        for stage, secs in st.t.items():
+            rows.append(Row(f"stage {stage}", "stage", secs / steps * 1e3, "ms/step"))
+        host = max(total - res.prefill_s - staged, 0.0)
+        rows.append(Row("stage host bookkeeping", "stage", host / steps * 1e3, "ms/step"))
     return rows, bw
+
+
+def compile_parts(bc: BenchConfig) -> list[BenchConfig]:
+    """The bench cut into compile jobs for :func:`precompile`: the prefill and decode rows (short decodes) in one,
+    each verify (n, L) in its own; one repeat each."""
+    fast = dict(repeats=1, bandwidth_bytes=1 << 20)
+    parts = [replace(bc, tree_sizes=(), tree_prefixes=(), decode_tokens=2 * bc.block_size, **fast)]
+    return parts + [replace(bc, prefill_sizes=(), decode_tokens=0, tree_prefixes=(Lp,), tree_sizes=(n,), **fast)
+                    for Lp in bc.tree_prefixes for n in bc.tree_sizes]
+
+
+_JOB_TARGET: dict = {}  # a compile job process's model, kept for its next job
+
+
+def _compile_job(job) -> str:
+    """One job of :func:`precompile` (in a spawned process): ``run_bench`` on the small model, rows discarded."""
+    cfg_d, backend, dtype, max_len, max_tokens, part = job
+    from kdt.engine import load_target
+
+    key = (repr(sorted(cfg_d.items())), backend, dtype, max_len, max_tokens)
+    if key not in _JOB_TARGET:
+        cfg = ModelConfig.from_dict(cfg_d)
+        weights = None
+        if backend == "cpu":
+            from kdt.weights import random_weights
+
+            weights = random_weights(cfg, 0)
+        _JOB_TARGET.clear()
+        _JOB_TARGET[key] = load_target(cfg, weights, backend, dtype, max_len, max_tokens=max_tokens)
+    target = _JOB_TARGET[key]
+    bc = BenchConfig(**part)
+    t0 = time.perf_counter()
+    run_bench(target, backend, target.cfg, 2 if dtype == "bf16" else 4, bc, log=lambda m: None)
+    what = (f"verify n={bc.tree_sizes[0]} L={bc.tree_prefixes[0]}" if bc.tree_sizes else "prefill and decode")
+    return f"{what} in {time.perf_counter() - t0:.0f} s"
+
+
+def precompile(cfg: ModelConfig, backend: str, dtype: str, max_len: int, max_tokens: int, bc: BenchConfig,
+               jobs: int, log: Callable[[str], None] = print) -> None:
+    """Compile the bench's kernels in ``jobs`` processes at once before the timed run, which then loads them from
+    kdt's kernel cache (kdt.kernels.jit_cache) instead of compiling one after another (Moonlight on the H200: more
+    than 9 minutes). Each process runs :func:`compile_parts` on a model of cfg's shapes with its first dense and
+    first MoE layer only (every kernel the whole model runs, a fraction of its memory: Moonlight ~3 GB a process,
+    Kimi-K2 ~40 GB) and random weights."""
+    small = cfg.replace(num_hidden_layers=min(cfg.num_hidden_layers, cfg.first_k_dense_replace + 1))
+    todo = [(small.to_dict(), backend, dtype, max_len, max_tokens, asdict(p)) for p in compile_parts(bc)]
+    t0 = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(min(jobs, len(todo))) as pool:
+        for msg in pool.imap_unordered(_compile_job, todo):
+            log(f"compiled {msg} ({time.perf_counter() - t0:.0f} s)")
 
 
 def environment(backend: str) -> dict:

@@ -443,6 +443,8 @@ def bench(
     peer: bool = typer.Option(True, help="Also time transformers' DeepseekV3ForCausalLM when importable."),
     json_path: Path = typer.Option(None, "--json", help="Write every number (and device, versions, config) here."),
     plot: Path = typer.Option(None, help="PNG of the verify cost curve and the DDTree stage breakdown."),
+    compile_jobs: int = typer.Option(0, help="CUDA: first compile the kernels in this many processes at once, each "
+                                     "on a 2-layer model of the same shapes (0: compile as the bench goes)."),
 ):
     """Throughput and latency against the physical floor (bytes / measured copy bandwidth) and a peer."""
     import dataclasses
@@ -480,10 +482,15 @@ def bench(
     max_len = max(max(bc.tree_prefixes) + 300, max(bc.prefill_sizes),
                   bc.prompt_len + 2 * bc.decode_tokens + bc.budget + 64)
     err.print(f"backend: {describe_backend(be, dtype)}; {source}; max_len {max_len}", highlight=False)
+    max_tokens = max(256, max(bc.prefill_sizes), bc.budget + 1)  # the largest prefill: no chunking while timed
+    if compile_jobs < 0:
+        fail("--compile-jobs must be >= 0")
+    if compile_jobs > 1 and be == "cuda":
+        with err.status(f"compiling the kernels in {compile_jobs} processes..."):
+            B.precompile(cfg, be, dtype, max_len, max_tokens, bc, compile_jobs,
+                         log=lambda m: err.print(m, highlight=False))
     with err.status("loading weights (first CUDA use compiles kernels)..."):
-        # buffers for the largest prefill: no chunking inside the timed forwards
-        target = load_target(cfg, weights, be, dtype, max_len,
-                             max_tokens=max(256, max(bc.prefill_sizes), bc.budget + 1))
+        target = load_target(cfg, weights, be, dtype, max_len, max_tokens=max_tokens)
     peer_obj, peer_note = None, "not requested"
     if peer:
         if not P.available():

@@ -79,7 +79,7 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
     if t.tc:  # tensor cores: token tiles a pass, words in flight, kernel C's (and the shared down's) row tiles
         return [(f"tc{n}", r(t, tc=n)) for n in (1, 2, 4) if n != t.tc] + [
             ("tc_words4", r(t, u=4, u_c=4)), ("tc_words1", r(t, u=1, u_c=1)), ("tc_rows1", r(t, tc_rt=1)),
-            ("tc_rows4", r(t, tc_rt=4))]
+            ("tc_rows4", r(t, tc_rt=4)), ("tc_split", r(t, tc_split=True))]
     if M <= 1:
         return [("kernel_B_shared_last", r(t, sd_first=False)), ("rows8_words2", r(t, nr=8, u=2, nr_c=8, u_c=2)),
                 ("words2", r(t, u=2, u_c=2)), ("words8", r(t, u=8, u_c=8)), ("C_8warps", r(t, nw_c=8))]

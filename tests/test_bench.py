@@ -63,3 +63,30 @@ def test_median_run_takes_the_median_decode_and_host_work():
     assert med.decode_s == 3.0 and math.isclose(host, 0.03)
     one, none = _median_run(lambda: SimpleNamespace(decode_s=1.0, host_s=None, steps=4), 3)
     assert one.decode_s == 1.0 and none is None
+
+
+def test_compile_parts_cover_the_bench_once():
+    """`kdt bench --compile-jobs`: the compile jobs hold every prefill, the decode rows and every verify (n, L)
+    exactly once, each timed once."""
+    from kdt.bench import BenchConfig, compile_parts
+
+    bc = BenchConfig()
+    parts = compile_parts(bc)
+    assert parts[0].prefill_sizes == bc.prefill_sizes and parts[0].decode_tokens > 0 and not parts[0].tree_sizes
+    verifies = [(p.tree_prefixes, p.tree_sizes) for p in parts[1:]]
+    assert sorted(verifies) == sorted(((L,), (n,)) for L in bc.tree_prefixes for n in bc.tree_sizes)
+    assert all(not p.prefill_sizes and p.decode_tokens == 0 for p in parts[1:])
+    assert all(p.repeats == 1 and p.budget == bc.budget and p.block_size == bc.block_size for p in parts)
+
+
+def test_precompile_runs_every_part_in_worker_processes():
+    """precompile's plumbing (spawned processes, the 2-layer model's config, run_bench without decode rows) on the
+    CPU backend, where it compiles nothing: one message per compile job."""
+    from kdt.bench import BenchConfig, compile_parts, precompile
+
+    cfg, bc, msgs = preset("tiny"), BenchConfig.quick(), []
+    precompile(cfg, "cpu", "float32", 400, 256, bc, jobs=2, log=msgs.append)
+    assert len(msgs) == len(compile_parts(bc))
+    assert sum("prefill and decode" in m for m in msgs) == 1
+    assert {m.split(" in ")[0] for m in msgs if m.startswith("compiled verify")} == {
+        f"compiled verify n={n} L={L}" for L in bc.tree_prefixes for n in bc.tree_sizes}

@@ -524,6 +524,9 @@ V2_SIM_TILES = {
     "tc": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, tc=1, tc_rt=2),
     "tc2": moe.V2Tiles(nw=2, nr=2, u=1, tt=2, tt_s=3, u_l=1, nw_c=3, nr_c=2, tt_c=3, u_c=3, jc=1, cs=False, tc=2,
                        tc_rt=1),
+    # ... with the shared experts' GEMMs one 8-token pass a block (the last pass partial)
+    "tc_split": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, tc=1,
+                            tc_rt=1, tc_split=True),
 }
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
@@ -549,6 +552,7 @@ V2_CASES = [
     # tensor cores: experts with more tokens than a pass (skew), E 7 / 8, D 20 (5 weight words: partial groups)
     (_V2_GROUPED, BF16, 17, True, False, "tc"),
     (dict(_V2_SKEW, hidden_size=36), BF16, 11, False, True, "tc2"),
+    (dict(_V2_SKEW, hidden_size=36), BF16, 17, True, False, "tc_split"),  # 2 shared experts: Is = 24, 3 passes
 ]
 
 

@@ -1002,12 +1002,12 @@ _V2_CACHE: dict[tuple, object] = {}
 
 
 def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
-                     rt: bool = True, tc: int = 0):
+                     rt: bool = True, tc: int = 0, tc_split: bool = False):
     """Kernel A (see the section comment and :func:`_v2_route_body`): block b is role block b."""
-    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, tc)
+    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, tc, tc_split)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False, tc)
+    body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False, tc, tc_split)
 
     def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb):
@@ -1017,14 +1017,14 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
              nlb, 0, counter)  # (no flags: the last two arguments are never read)
 
     kern.__name__ = (f"moe2_route_nw{nw}_b{epw_b}_s{epw_s}_nr{nr_s}_tt{tt_s}_u{u_s}_ul{u_l}{'_cs' if cs_s else ''}"
-                     f"{'_rt' if rt else ''}{f'_tc{tc}' if tc else ''}")
+                     f"{'_rt' if rt else ''}{f'_tc{tc}' if tc else ''}{'_split' if tc_split else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
 
 
 def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
-                   rt: bool, sig: bool, tc: int = 0):
+                   rt: bool, sig: bool, tc: int = 0, tc_split: bool = False):
     """Kernel A's work as a device function of its role block ``bid`` (cached). Role blocks: nlb logits
     blocks (``_V2_NRL`` gate rows each, the nw warps split D), then the shared gate_up blocks (nw warps x
     nr_s/2 outputs each, all M tokens in tiles of tt_s). ``rt`` (route by token tile): nlb = n_eb
@@ -1034,8 +1034,9 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     last one routes all of them (M / 4 serial rounds of its 4 routing warps). ``sig`` (kernel AB): the
     grouping block raises the routed flag in ``sync`` when the grouping is written, and the last of the
     n_a - nlb shared gate_up blocks to finish raises the shared flag. ``tc`` (bf16 weights): the shared gate_up
-    blocks on tensor cores (16 outputs a block, tc tiles of 8 tokens a pass; see "tensor cores" below)."""
-    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig, tc)
+    blocks on tensor cores (16 outputs a block, tc tiles of 8 tokens a pass; see "tensor cores" below), with
+    ``tc_split`` one pass a block (cdiv(M, 8 tc) blocks an output tile)."""
+    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig, tc, tc_split)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if IS_SIM and nw > _V2_RWARPS:
@@ -1057,7 +1058,7 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     mm_s = _v2_mm(EPWS, NRS, TTS, u_s, False, 1, cs_s)
     red_s = _v2_reduce(NRS, TTS)
     pick_s = _v2_pick(NRS, TTS)
-    TCS = tc
+    TCS, TSPLIT, PASS = tc, tc_split, 8 * tc
     gate_up_tc = _tc_gate_up(nw, tc, u_s, cs_s, False, False) if tc else None
 
     def body(bid, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
@@ -1227,8 +1228,9 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
                 cuda.syncthreads()
                 if tid == 0:
                     _ab_raise(sync, _SYNC_ROUTED)
-        elif TCS:  # ---- the same on tensor cores: outputs [16 (bid - nlb), + 16) of Is, all M tokens -------
-            gate_up_tc((bid - nlb) * TC_ROWS, sgu, 0, b, 0, M, counts, h_shared)  # (counts: not read)
+        elif TCS:  # ---- the same on tensor cores: 16 outputs of Is a block, all M tokens or (split) one pass ----
+            o, p0, p1 = _tc_shared_block(bid - nlb, sgu.shape[1] // 2, TC_ROWS, M, TSPLIT, PASS)
+            gate_up_tc(o, sgu, 0, b, p0, p1, counts, h_shared)  # (counts: not read)
         else:
             # ---- shared experts' gate_up: h_shared[m, perm(o)] = silu(g . b_m) * (u . b_m) ------------
             reds = cuda.shared.array(RED_S, float32)
@@ -1287,6 +1289,18 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
 TC_MIN_M = int(os.environ.get("KDT_MOE_TC_M", "32"))  # tensor cores at M >= this (0: never)
 TC_MIN_LOAD = 3  # ... and M top_k >= TC_MIN_LOAD E (at M = 16, 1.5 tokens an expert, the FMA tiles won)
 TC_ROWS = tc.MMA_ROWS
+
+
+@cuda.jit(device=True, inline=True)
+def _tc_shared_block(sb, n, rows, M, split, pass_tokens):
+    """(first output row, first token, end token) of shared-expert GEMM block sb on tensor cores (kernel A's
+    gate_up, B's down) over n output rows, ``rows`` a block: all M tokens, or with ``split`` one pass of
+    ``pass_tokens`` (the output tiles of pass 0 first)."""
+    if not split:
+        return sb * rows, 0, M
+    nob = (n + rows - 1) // rows
+    p0 = (sb // nob) * pass_tokens
+    return (sb % nob) * rows, p0, min(M, p0 + pass_tokens)
 
 
 def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, perm: bool):
@@ -1372,15 +1386,15 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool):
     return down
 
 
-def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool):
+def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool, split: bool = False):
     """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
     ntg, outputs [16 x, 16 x + 16) of I, x = rb % ntg; all the expert's tokens) and cdiv(D, 16 rt) shared-down
-    blocks (rows [16 rt sb, 16 rt (sb + 1)) of D, all M tokens), after the routed ones or, with ``sd_first``,
-    before them."""
-    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first)
+    blocks (rows [16 rt sb, 16 rt (sb + 1)) of D, all M tokens; with ``split`` cdiv(M, 8 nt) times as many
+    blocks, one pass of 8 nt tokens each), after the routed ones or, with ``sd_first``, before them."""
+    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    SDF, RS = sd_first, TC_ROWS * rt
+    SDF, RS, SPLIT, PASS = sd_first, TC_ROWS * rt, split, 8 * nt
     gate_up = _tc_gate_up(nw, nt, u, cs, True, True)
     down = _tc_down(nw, rt, nt, u, cs_s)
 
@@ -1395,7 +1409,8 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
                 start = int64(offsets[e])
                 gate_up((rb % ntg) * TC_ROWS, wgu, e, b_perm, start, start + counts[e], sorted_rows, h)
         else:
-            down((bid if SDF else bid - J * ntg) * RS, sdn, 0, h_shared, 0, M, y_shared)
+            d0, p0, p1 = _tc_shared_block(bid if SDF else bid - J * ntg, sdn.shape[1], RS, M, SPLIT, PASS)
+            down(d0, sdn, 0, h_shared, p0, p1, y_shared)
 
     body = _device(body)
     _V2_CACHE[key] = body
@@ -1403,13 +1418,13 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
 
 
 def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
-                       sd_first: bool = False, tc: int = 0, tc_rt: int = 2):
+                       sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt)
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if tc:
-        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first)
+        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split)
     else:
         body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
@@ -1419,7 +1434,8 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
              y_shared, M, ntg, J, cuda.gridDim.x, n_active)  # (no flags: the last argument is never read)
 
     kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
-                     f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}")
+                     f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
+                     f"{'_split' if tc_split else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1658,7 +1674,10 @@ class V2Tiles:
     in one launch (kernel AB, see its section; v2_tiles sets it at M <= ``AB_MAX_M``); ab_regs: kernel AB's
     register cap per thread (0: ptxas's choice); tc: the expert GEMMs (kernel A's shared gate_up, B, C) on tensor
     cores, tc tiles of 8 tokens a pass (0: the FMA tiles; bf16 weights only, v2_tiles sets it where :func:`uses_tc`),
-    tc_rt: the row tiles of 16 a block of their down projections (kernel B's shared, kernel C's routed)."""
+    tc_rt: the row tiles of 16 a block of their down projections (kernel B's shared, kernel C's routed); tc_split:
+    the shared experts' GEMMs on tensor cores (kernel A's gate_up, B's down) one pass of 8 tc tokens a block, not
+    all M tokens (at M = 64, 4x the blocks: s27c's Nsight Compute had kernel A at 96 us with 432 blocks, ~7
+    warps an SM, for ~6 us of bytes; not timed yet, so off)."""
 
     nw: int = 4
     nr: int = 4
@@ -1679,6 +1698,7 @@ class V2Tiles:
     ab_regs: int = 0
     tc: int = 0
     tc_rt: int = 2
+    tc_split: bool = False
 
 
 # Kernel C takes one active expert per block (jc = 1) while its grid stays within about one wave of
@@ -1764,8 +1784,9 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     """Kernels A, B and C of launch shape t for weight words of epw elements (with ``t.ab``, A and B
     are also compiled into kernel AB, :func:`_v2_ab_kernel`)."""
     tcn = t.tc if epw == 4 else 0
-    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn),
-            _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt),
+    split = bool(tcn) and t.tc_split
+    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split),
+            _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split),
             _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt))
 
 
@@ -1786,9 +1807,10 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
     nlb = cdiv(E, _V2_NRL) * (cdiv(M, t.tt_s) if t.rt else 1)
     if has_shared:
         Is = L._sgu.shape[1] // 2
-        nsg = cdiv(Is, TC_ROWS) if t.tc else cdiv(cdiv(Is, t.nr // 2), t.nw)
+        passes = cdiv(M, 8 * t.tc) if t.tc and t.tc_split else 1  # shared GEMM blocks per output tile
+        nsg = cdiv(Is, TC_ROWS) * passes if t.tc else cdiv(cdiv(Is, t.nr // 2), t.nw)
         sgu, sdn, hs = L._sgu, L._sdn, S.h_shared
-        nsd = cdiv(D, TC_ROWS * t.tc_rt) if t.tc else cdiv(cdiv(D, t.nr), t.nw)
+        nsd = cdiv(D, TC_ROWS * t.tc_rt) * passes if t.tc else cdiv(cdiv(D, t.nr), t.nw)
     else:
         nsg = nsd = 0
         sgu, sdn, hs = L._gu, L._dn, S.b_perm  # never read (no blocks use them)
@@ -2308,6 +2330,7 @@ def _register() -> None:
     seen: set[int] = set()
     shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64, 256)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
               + [replace(_v2_tiles_by_m(M, 8), ab=M <= AB_MAX_M) for M in (64, 256)]  # FMA tiles (KDT_MOE_TC_M=0)
+              + [replace(v2_tiles(64, 8), tc_split=True)]  # the shared GEMMs one pass a block
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     for epw in (2, 4):
