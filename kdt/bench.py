@@ -192,6 +192,77 @@ def _median_run(run: Callable[[], object], n: int) -> tuple[object, float | None
     return runs[(len(runs) - 1) // 2], (float(np.median(hosts)) if hosts else None)
 
 
+def _decode_rows(target, V: int, bc: BenchConfig, rng, floor_ms, log, peer) -> tuple[list[Row], np.ndarray, np.ndarray]:
+    """The decode rows (AR, DDTree with each drafter) and the host work a step; also the prompt and the oracle's
+    sequence (the stage breakdown decodes them again)."""
+    rows: list[Row] = []
+    prompt = rng.integers(0, V, bc.prompt_len)
+    ar_generate(target, prompt, 4)  # warm-up (JIT)
+    ar, ar_host = _median_run(lambda: ar_generate(target, prompt, bc.decode_tokens), bc.repeats)
+    L = bc.prompt_len + bc.decode_tokens // 2
+    one = np.ones((1, 1), bool)
+    step_ms = ar.decode_s / max(ar.steps, 1) * 1e3
+    r = Row("decode AR", "decode", len(ar.tokens) / ar.decode_s, "tok/s", step_ms,
+            floor_ms(1, L, prompt[:1], [L], one), extra={"steps": ar.steps})
+    if peer is not None:
+        r.peer = peer.decode_tokens_per_s(prompt, bc.decode_tokens)
+    rows.append(r)
+    log(f"{r.name}: {r.value:.1f} tok/s")
+
+    seq = np.concatenate([prompt, ar.tokens, rng.integers(0, V, 64)])
+    # warm-up: compiles the tree kernels and every token-count bucket the timed runs will meet
+    generate(target, prompt, bc.decode_tokens, drafter=OracleDrafter(seq, V, noise=0.3, seed=2), budget=bc.budget,
+             block_size=bc.block_size)
+    host_work = {"AR": ar_host}  # median host seconds a step
+    chain = bc.block_size - 1  # the oracle's best tree is its chain: the whole block, fewest nodes
+    for name, drafter, budget in (("oracle", OracleDrafter(seq, V), bc.budget),
+                                  ("oracle chain", OracleDrafter(seq, V), chain),
+                                  ("noisy", OracleDrafter(seq, V, noise=0.3, seed=1), bc.budget),
+                                  ("suffix", SuffixDrafter(V), bc.budget)):
+        if budget == chain:  # warm-up of this tree size (JIT, CUDA graph capture)
+            generate(target, prompt, 2 * bc.block_size, drafter=OracleDrafter(seq, V), budget=budget,
+                     block_size=bc.block_size)
+        res, host = _median_run(lambda d=drafter, b=budget: generate(target, prompt, bc.decode_tokens, drafter=d,
+                                                                    budget=b, block_size=bc.block_size), bc.repeats)
+        per_step = res.decode_s / max(res.steps, 1) * 1e3
+        n = budget + 1
+        tree_floor = floor_ms(n, L, rng.integers(0, V, n), L + np.arange(n) % bc.block_size, np.eye(n, dtype=bool))
+        # the peer column holds the peer's AR decode: DDTree is compared with plain decoding
+        rows.append(Row(f"decode DDTree {name}", "decode", len(res.tokens) / res.decode_s, "tok/s", per_step,
+                        tree_floor, peer=r.peer,
+                        extra={"avg_accept": res.avg_accept, "steps": res.steps, "budget": budget,
+                               "block_size": bc.block_size, "vs_kdt_ar": len(res.tokens) / res.decode_s / r.value}))
+        log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}")
+        if name == "oracle":
+            host_work["DDTree oracle"] = host
+    for name, host in host_work.items():  # the host's share of a step: drafting, launch, uploads, bookkeeping
+        if host is not None:  # (the decode's wall time less the wait for the GPU: one-program steps only)
+            rows.append(Row(f"host work per step, {name}", "host", host * 1e3, "ms/step"))
+            log(f"{rows[-1].name}: {rows[-1].value * 1e3:.0f} us")
+    return rows, prompt, seq
+
+
+def _stage_rows(target, V: int, bc: BenchConfig, clock, prompt, seq) -> list[Row]:
+    """The DDTree step's time by stage (the oracle drafter, budget bc.budget), per step."""
+    rows: list[Row] = []
+    st = StageTimer(clock)
+    drafter = OracleDrafter(seq, V)
+    target_forward, target_compact = target.forward, target.compact
+    ops = st.instrument(target, drafter)
+    t0 = time.perf_counter()
+    res = generate(target, prompt, bc.decode_tokens, drafter=drafter, budget=bc.budget, block_size=bc.block_size,
+                   ops=ops)
+    total = time.perf_counter() - t0
+    target.forward, target.compact = target_forward, target_compact
+    steps = max(res.steps, 1)
+    staged = sum(st.t.values())  # the prefill runs through target.forward, outside every stage
+    for stage, secs in st.t.items():
+        rows.append(Row(f"stage {stage}", "stage", secs / steps * 1e3, "ms/step"))
+    host = max(total - res.prefill_s - staged, 0.0)
+    rows.append(Row("stage host bookkeeping", "stage", host / steps * 1e3, "ms/step"))
+    return rows
+
+
 def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConfig,
               log: Callable[[str], None] = print, peer=None) -> tuple[list[Row], float]:
     """All measurements of one target. Returns the rows and the measured copy bandwidth (bytes/s)."""
@@ -229,49 +300,8 @@ def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConf
         log(f"{r.name}: {r.value:.1f} tok/s ({ms:.2f} ms)")
 
     if bc.decode_tokens:  # (0: no decode rows, e.g. a compile job of precompile)
-        prompt = rng.integers(0, V, bc.prompt_len)
-        ar_generate(target, prompt, 4)  # warm-up (JIT)
-        ar, ar_host = _median_run(lambda: ar_generate(target, prompt, bc.decode_tokens), bc.repeats)
-        L = bc.prompt_len + bc.decode_tokens // 2
-        one = np.ones((1, 1), bool)
-        step_ms = ar.decode_s / max(ar.steps, 1) * 1e3
-        r = Row("decode AR", "decode", len(ar.tokens) / ar.decode_s, "tok/s", step_ms,
-                floor_ms(1, L, prompt[:1], [L], one), extra={"steps": ar.steps})
-        if peer is not None:
-            r.peer = peer.decode_tokens_per_s(prompt, bc.decode_tokens)
-        rows.append(r)
-        log(f"{r.name}: {r.value:.1f} tok/s")
-
-        seq = np.concatenate([prompt, ar.tokens, rng.integers(0, V, 64)])
-        # warm-up: compiles the tree kernels and every token-count bucket the timed runs will meet
-        generate(target, prompt, bc.decode_tokens, drafter=OracleDrafter(seq, V, noise=0.3, seed=2), budget=bc.budget,
-                 block_size=bc.block_size)
-        host_work = {"AR": ar_host}  # median host seconds a step
-        chain = bc.block_size - 1  # the oracle's best tree is its chain: the whole block, fewest nodes
-        for name, drafter, budget in (("oracle", OracleDrafter(seq, V), bc.budget),
-                                      ("oracle chain", OracleDrafter(seq, V), chain),
-                                      ("noisy", OracleDrafter(seq, V, noise=0.3, seed=1), bc.budget),
-                                      ("suffix", SuffixDrafter(V), bc.budget)):
-            if budget == chain:  # warm-up of this tree size (JIT, CUDA graph capture)
-                generate(target, prompt, 2 * bc.block_size, drafter=OracleDrafter(seq, V), budget=budget,
-                         block_size=bc.block_size)
-            res, host = _median_run(lambda d=drafter, b=budget: generate(target, prompt, bc.decode_tokens, drafter=d,
-                                                                        budget=b, block_size=bc.block_size), bc.repeats)
-            per_step = res.decode_s / max(res.steps, 1) * 1e3
-            n = budget + 1
-            tree_floor = floor_ms(n, L, rng.integers(0, V, n), L + np.arange(n) % bc.block_size, np.eye(n, dtype=bool))
-            # the peer column holds the peer's AR decode: DDTree is compared with plain decoding
-            rows.append(Row(f"decode DDTree {name}", "decode", len(res.tokens) / res.decode_s, "tok/s", per_step,
-                            tree_floor, peer=r.peer,
-                            extra={"avg_accept": res.avg_accept, "steps": res.steps, "budget": budget,
-                                   "block_size": bc.block_size, "vs_kdt_ar": len(res.tokens) / res.decode_s / r.value}))
-            log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}")
-            if name == "oracle":
-                host_work["DDTree oracle"] = host
-        for name, host in host_work.items():  # the host's share of a step: drafting, launch, uploads, bookkeeping
-            if host is not None:  # (the decode's wall time less the wait for the GPU: one-program steps only)
-                rows.append(Row(f"host work per step, {name}", "host", host * 1e3, "ms/step"))
-                log(f"{rows[-1].name}: {rows[-1].value * 1e3:.0f} us")
+        decode, prompt, seq = _decode_rows(target, V, bc, rng, floor_ms, log, peer)
+        rows += decode
 
     for Lp in bc.tree_prefixes:
         for n in bc.tree_sizes:
@@ -288,21 +318,7 @@ def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConf
             log(f"{rows[-1].name}: {ms:.3f} ms (floor {rows[-1].floor_ms:.3f})")
 
     if bc.decode_tokens:
-        st = StageTimer(clock)
-        drafter = OracleDrafter(seq, V)
-        target_forward, target_compact = target.forward, target.compact
-        ops = st.instrument(target, drafter)
-        t0 = time.perf_counter()
-        res = generate(target, prompt, bc.decode_tokens, drafter=drafter, budget=bc.budget, block_size=bc.block_size,
-                       ops=ops)
-        total = time.perf_counter() - t0
-        target.forward, target.compact = target_forward, target_compact
-        steps = max(res.steps, 1)
-        staged = sum(st.t.values())  # the prefill runs through target.forward, outside every stage
-        for stage, secs in st.t.items():
-            rows.append(Row(f"stage {stage}", "stage", secs / steps * 1e3, "ms/step"))
-        host = max(total - res.prefill_s - staged, 0.0)
-        rows.append(Row("stage host bookkeeping", "stage", host / steps * 1e3, "ms/step"))
+        rows += _stage_rows(target, V, bc, clock, prompt, seq)
     return rows, bw
 
 
@@ -332,11 +348,11 @@ def _compile_job(job) -> str:
 
             weights = random_weights(cfg, 0)
         _JOB_TARGET.clear()
-        _JOB_TARGET[key] = load_target(cfg, weights, backend, dtype, max_len, max_tokens=max_tokens)
-    target = _JOB_TARGET[key]
+        _JOB_TARGET[key] = cfg, load_target(cfg, weights, backend, dtype, max_len, max_tokens=max_tokens)
+    cfg, target = _JOB_TARGET[key]
     bc = BenchConfig(**part)
     t0 = time.perf_counter()
-    run_bench(target, backend, target.cfg, 2 if dtype == "bf16" else 4, bc, log=lambda m: None)
+    run_bench(target, backend, cfg, 2 if dtype == "bf16" else 4, bc, log=lambda m: None)
     what = (f"verify n={bc.tree_sizes[0]} L={bc.tree_prefixes[0]}" if bc.tree_sizes else "prefill and decode")
     return f"{what} in {time.perf_counter() - t0:.0f} s"
 
