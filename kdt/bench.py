@@ -183,13 +183,18 @@ def _experts_selected(target, tokens, positions, L, mask) -> list[int] | None:
     return rec
 
 
-def _median_run(run: Callable[[], object], n: int) -> tuple[object, float | None]:
-    """``run()`` (a decode, deterministic: the same tokens every time) n times: the run of median decode time and the
-    median host work per step in seconds (None without a host count). One run of 32 steps is at the mercy of one
-    host stall: a 1 ms pause spread over 32 steps reads as 31 us more host work a step."""
+def _median_run(run: Callable[[], object], n: int) -> tuple[object, float | None, dict[str, float]]:
+    """``run()`` (a decode, deterministic: the same tokens every time) n times: the run of median decode time, the
+    median host work per step in seconds (None without a host count) and the median of each of its parts a step
+    (``GenResult.host_parts``; empty without). One run of 32 steps is at the mercy of one host stall: a 1 ms pause
+    spread over 32 steps reads as 31 us more host work a step."""
     runs = sorted((run() for _ in range(max(1, n))), key=lambda r: r.decode_s)
-    hosts = [r.host_s / max(r.steps, 1) for r in runs if r.host_s is not None]
-    return runs[(len(runs) - 1) // 2], (float(np.median(hosts)) if hosts else None)
+    timed = [r for r in runs if r.host_s is not None]
+    host = float(np.median([r.host_s / max(r.steps, 1) for r in timed])) if timed else None
+    with_parts = [r for r in timed if getattr(r, "host_parts", None)]
+    parts = {k: float(np.median([r.host_parts[k] / max(r.steps, 1) for r in with_parts]))
+             for k in (with_parts[0].host_parts if with_parts else {})}
+    return runs[(len(runs) - 1) // 2], host, parts
 
 
 def _decode_rows(target, V: int, bc: BenchConfig, rng, floor_ms, log, peer) -> tuple[list[Row], np.ndarray, np.ndarray]:
@@ -198,7 +203,7 @@ def _decode_rows(target, V: int, bc: BenchConfig, rng, floor_ms, log, peer) -> t
     rows: list[Row] = []
     prompt = rng.integers(0, V, bc.prompt_len)
     ar_generate(target, prompt, 4)  # warm-up (JIT)
-    ar, ar_host = _median_run(lambda: ar_generate(target, prompt, bc.decode_tokens), bc.repeats)
+    ar, ar_host, ar_parts = _median_run(lambda: ar_generate(target, prompt, bc.decode_tokens), bc.repeats)
     L = bc.prompt_len + bc.decode_tokens // 2
     one = np.ones((1, 1), bool)
     step_ms = ar.decode_s / max(ar.steps, 1) * 1e3
@@ -213,7 +218,7 @@ def _decode_rows(target, V: int, bc: BenchConfig, rng, floor_ms, log, peer) -> t
     # warm-up: compiles the tree kernels and every token-count bucket the timed runs will meet
     generate(target, prompt, bc.decode_tokens, drafter=OracleDrafter(seq, V, noise=0.3, seed=2), budget=bc.budget,
              block_size=bc.block_size)
-    host_work = {"AR": ar_host}  # median host seconds a step
+    host_work = {"AR": (ar_host, ar_parts)}  # median host seconds a step, and of its parts
     chain = bc.block_size - 1  # the oracle's best tree is its chain: the whole block, fewest nodes
     for name, drafter, budget in (("oracle", OracleDrafter(seq, V), bc.budget),
                                   ("oracle chain", OracleDrafter(seq, V), chain),
@@ -222,7 +227,7 @@ def _decode_rows(target, V: int, bc: BenchConfig, rng, floor_ms, log, peer) -> t
         if budget == chain:  # warm-up of this tree size (JIT, CUDA graph capture)
             generate(target, prompt, 2 * bc.block_size, drafter=OracleDrafter(seq, V), budget=budget,
                      block_size=bc.block_size)
-        res, host = _median_run(lambda d=drafter, b=budget: generate(target, prompt, bc.decode_tokens, drafter=d,
+        res, host, parts = _median_run(lambda d=drafter, b=budget: generate(target, prompt, bc.decode_tokens, drafter=d,
                                                                     budget=b, block_size=bc.block_size), bc.repeats)
         per_step = res.decode_s / max(res.steps, 1) * 1e3
         n = budget + 1
@@ -234,11 +239,13 @@ def _decode_rows(target, V: int, bc: BenchConfig, rng, floor_ms, log, peer) -> t
                                "block_size": bc.block_size, "vs_kdt_ar": len(res.tokens) / res.decode_s / r.value}))
         log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}")
         if name == "oracle":
-            host_work["DDTree oracle"] = host
-    for name, host in host_work.items():  # the host's share of a step: drafting, launch, uploads, bookkeeping
+            host_work["DDTree oracle"] = (host, parts)
+    for name, (host, parts) in host_work.items():  # the host's share of a step: drafting, launch, bookkeeping
         if host is not None:  # (the decode's wall time less the wait for the GPU: one-program steps only)
-            rows.append(Row(f"host work per step, {name}", "host", host * 1e3, "ms/step"))
-            log(f"{rows[-1].name}: {rows[-1].value * 1e3:.0f} us")
+            rows.append(Row(f"host work per step, {name}", "host", host * 1e3, "ms/step",
+                            extra={f"{k}_ms": v * 1e3 for k, v in parts.items()}))
+            split = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in parts.items())  # gc: anywhere in the decode
+            log(f"{rows[-1].name}: {rows[-1].value * 1e3:.0f} us" + (f" ({split} us)" if split else ""))
     return rows, prompt, seq
 
 
@@ -323,10 +330,13 @@ def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConf
 
 
 def compile_parts(bc: BenchConfig) -> list[BenchConfig]:
-    """The bench cut into compile jobs for :func:`precompile`: the prefill and decode rows (short decodes) in one,
-    each verify (n, L) in its own; one repeat each."""
+    """The bench cut into compile jobs for :func:`precompile`: the decode rows (short decodes), each prefill size and
+    each verify (n, L) in its own (s28b, Moonlight: the prefills and decode as one job took 195 s of the 199); one
+    repeat each."""
     fast = dict(repeats=1, bandwidth_bytes=1 << 20)
-    parts = [replace(bc, tree_sizes=(), tree_prefixes=(), decode_tokens=2 * bc.block_size, **fast)]
+    none = dict(tree_sizes=(), tree_prefixes=(), **fast)
+    parts = [replace(bc, prefill_sizes=(), decode_tokens=2 * bc.block_size, **none)]
+    parts += [replace(bc, prefill_sizes=(P,), decode_tokens=0, **none) for P in bc.prefill_sizes]
     return parts + [replace(bc, prefill_sizes=(), decode_tokens=0, tree_prefixes=(Lp,), tree_sizes=(n,), **fast)
                     for Lp in bc.tree_prefixes for n in bc.tree_sizes]
 
@@ -353,7 +363,8 @@ def _compile_job(job) -> str:
     bc = BenchConfig(**part)
     t0 = time.perf_counter()
     run_bench(target, backend, cfg, 2 if dtype == "bf16" else 4, bc, log=lambda m: None)
-    what = (f"verify n={bc.tree_sizes[0]} L={bc.tree_prefixes[0]}" if bc.tree_sizes else "prefill and decode")
+    what = (f"verify n={bc.tree_sizes[0]} L={bc.tree_prefixes[0]}" if bc.tree_sizes else
+            f"prefill P={bc.prefill_sizes[0]}" if bc.prefill_sizes else "decode")
     return f"{what} in {time.perf_counter() - t0:.0f} s"
 
 

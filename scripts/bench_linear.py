@@ -20,7 +20,8 @@ runs them (the target in bf16, the drafter's float32 weights; one weight copy: a
 L2), the default plan against every token tile (1 .. 16), 2 / 4 / 8 warps and the K-split the model
 picks for each, and prints the best plan per shape and M.
 
-``--tc`` times v2 against the tensor-core kernel (its default plan, and at the ``--tc`` M every plan of TC_PLANS);
+``--tc`` times v2 against the tensor-core kernel (its default plan, and at the ``--tc`` M every plan of TC_PLANS),
+each also on x in the hi / lo layout (``hilo``: what it reads after a norm, kdt.kernels.linear.TC_HILO_X);
 ``--jobs N`` first compiles the plans in N processes at once into kdt's disk cache (a plan compiles in seconds,
 the sweep's ~30 one after another in minutes).
 """
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kdt.config import preset  # noqa: E402
 from kdt.kernels import linear as lin  # noqa: E402
+from kdt.kernels import tc  # noqa: E402
 from kdt.kernels.bench import copy_bandwidth, rand, time_us  # noqa: E402
 from kdt.kernels.common import cdiv  # noqa: E402
 
@@ -131,6 +133,7 @@ def _compile_plan(plan) -> tuple:
     the plan and the argument types only) into the disk cache."""
     x, W, y = rand((8, 64)), rand((16, 64), np.uint16), cuda.device_array((8, 16), np.float32)
     lin.linear_tc(x, W, y, plan=plan)
+    lin.linear_tc(cuda.device_array((8, 32), np.uint64), W, y, plan=plan)  # x hi / lo
     cuda.synchronize()
     return plan
 
@@ -147,35 +150,43 @@ def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int]) -> list[dic
     TC_PLANS too (rt, nt, u, nw, kw: row tiles of 16 a warp, token tiles of 8 a block, words in flight, warps,
     warps splitting K in a row group)."""
     rows = []
-    print(f"{'shape':34s} {'M':>5s} {'v2 us':>9s} {'tc us':>9s} {'v2/tc':>6s} {'tc TF/s':>8s} {'plan':>12s} "
-          f"{'best us':>8s} {'best plan':>12s} {'rel diff':>9s}")
+    print(f"{'shape':34s} {'M':>5s} {'v2 us':>9s} {'tc us':>9s} {'hilo us':>9s} {'v2/tc':>6s} {'tc TF/s':>8s} "
+          f"{'plan':>12s} {'best us':>8s} {'best plan':>12s} {'best hilo':>9s} {'hilo plan':>12s} {'rel diff':>9s}")
     for name in presets:
         for layer, N, K in shapes(name):
             Ws = [rand((N, K), np.uint16, 1 / np.sqrt(K)) for _ in range(min(16, cdiv(128 << 20, N * K * 2)))]
             for M in Ms:
                 x = rand((M, K))
                 y1, y2 = cuda.device_array((M, N), np.float32), cuda.device_array((M, N), np.float32)
+                xh = cuda.to_device(tc.hilo_np(x.copy_to_host()))  # x as a norm leaves it for the tensor cores
+                y3 = cuda.device_array((M, N), np.float32)
                 f1, f2 = rotating(lin.linear_v2, Ws, x, y1), rotating(lin.linear_tc, Ws, x, y2)
-                us1, us2 = timed(f1, estimate_us(f1)), timed(f2, estimate_us(f2))
+                f3 = rotating(lin.linear_tc, Ws, xh, y3)
+                us1, us2, us3 = timed(f1, estimate_us(f1)), timed(f2, estimate_us(f2)), timed(f3, estimate_us(f3))
                 lin.linear_v2(x, Ws[0], y1)
                 lin.linear_tc(x, Ws[0], y2)
-                a, b = y1.copy_to_host().astype(np.float64), y2.copy_to_host().astype(np.float64)
-                diff = float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+                lin.linear_tc(xh, Ws[0], y3)
+                a = y1.copy_to_host().astype(np.float64)
+                diff = max(float(np.linalg.norm(a - y.copy_to_host()) / max(np.linalg.norm(a), 1e-30))
+                           for y in (y2, y3))
                 plan = lin.tc_plan(M, N)
-                res = {plan: us2}
+                res, res_h = {plan: us2}, {plan: us3}
                 if M in sweep_Ms:
                     for p in TC_PLANS:
                         if p != plan:
-                            f = rotating(lin.linear_tc, Ws, x, y2, plan=p)
-                            res[p] = timed(f, estimate_us(f))
-                best = min(res, key=res.get)
-                row = dict(preset=name, layer=layer, M=M, N=N, K=K, us_v2=us1, us_tc=us2, plan=plan, best=best,
-                           us_best=res[best], rel_diff=diff, TFLOPps_tc=2 * M * N * K / us2 * 1e-6,
-                           sweep={",".join(map(str, p)): u for p, u in res.items()})
+                            for r, xx in ((res, x), (res_h, xh)):
+                                f = rotating(lin.linear_tc, Ws, xx, y2, plan=p)
+                                r[p] = timed(f, estimate_us(f))
+                best, best_h = min(res, key=res.get), min(res_h, key=res_h.get)
+                row = dict(preset=name, layer=layer, M=M, N=N, K=K, us_v2=us1, us_tc=us2, us_hilo=us3, plan=plan,
+                           best=best, us_best=res[best], best_hilo=best_h, us_best_hilo=res_h[best_h], rel_diff=diff,
+                           TFLOPps_tc=2 * M * N * K / us2 * 1e-6,
+                           sweep={",".join(map(str, p)): u for p, u in res.items()},
+                           sweep_hilo={",".join(map(str, p)): u for p, u in res_h.items()})
                 rows.append(row)
-                print(f"{layer + f' N={N} K={K}':34s} {M:5d} {us1:9.1f} {us2:9.1f} {us1 / us2:6.2f} "
-                      f"{row['TFLOPps_tc']:8.1f} {str(plan):>12s} {res[best]:8.1f} {str(best):>12s} {diff:9.1e}",
-                      flush=True)
+                print(f"{layer + f' N={N} K={K}':34s} {M:5d} {us1:9.1f} {us2:9.1f} {us3:9.1f} {us1 / us2:6.2f} "
+                      f"{row['TFLOPps_tc']:8.1f} {str(plan):>12s} {res[best]:8.1f} {str(best):>12s} "
+                      f"{res_h[best_h]:9.1f} {str(best_h):>12s} {diff:9.1e}", flush=True)
     return rows
 
 

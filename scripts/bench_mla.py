@@ -1,9 +1,10 @@
 """MLA kernels, v1 against v2 (kdt.kernels.mla), GPU time only, one table per model.
 
     python scripts/bench_mla.py [--presets moonlight-16b-a3b,kimi-k2] [--dtype bf16] [--json PATH]
-                                [--quick]
+                                [--quick] [--kernels uv_project]
 
-Rows: q_absorb and uv_project at M = 1, 16, 64; mla attention at M = 1, 16, 64 and L = 512, 8192 with
+Rows: q_absorb and uv_project at M = 1, 16, 64 (uv_project v2 on tensor cores from 16, "v2 fma" beside it); mla
+attention at M = 1, 16, 64 and L = 512, 8192 with
   - "S(L)": the splits each version picks for that L (what kdt.kernels.bench times), L on the device;
   - "S(max)": the splits the engine uses (``mla_num_splits(max_len, M)``, max_len = 8192 + 64; most
     of them empty at L = 512), L on the device as in its CUDA graphs;
@@ -82,6 +83,17 @@ def rows(name: str, dtype: str, quick: bool):
         for v in (1, 2):
             yield ("uv_project", f"M={M} H={H}", f"v{v}",
                    lambda i, v=v, ol=o_lat, o=o: mla.uv_project(ol, kv_b, o, version=v), nb)
+        if mla.uv_uses_tc(M, kv_b, H, dv):  # v2 runs on tensor cores here: its FMA tiles beside it
+            yield "uv_project", f"M={M} H={H}", "v2 fma", lambda i, ol=o_lat, o=o: _uv_fma(ol, kv_b, o), nb
+
+
+def _uv_fma(o_lat, kv_b, o) -> None:
+    """uv_project version 2 on its FMA tiles where it would run on tensor cores (KDT_MLA_UV_TC_M=0)."""
+    saved, mla.UV_TC_MIN_M = mla.UV_TC_MIN_M, 0
+    try:
+        mla.uv_project(o_lat, kv_b, o, version=2)
+    finally:
+        mla.UV_TC_MIN_M = saved
 
 
 def main(argv=None) -> int:
@@ -90,7 +102,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "float32"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="skip the v2 prefetch-mode variants")
+    ap.add_argument("--kernels", default=None, help="comma-separated kernels to time (q_absorb,attention,uv_project)")
     args = ap.parse_args(argv)
+    only = args.kernels.split(",") if args.kernels else None
     bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write); MLA_VERSION default = {mla.VERSION}")
     out = []
@@ -99,6 +113,8 @@ def main(argv=None) -> int:
         print(f"{'kernel':11s} {'shape':20s} {'variant':20s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s} {'x v1':>6s}")
         base = {}
         for kernel, shape, variant, fn, nbytes in rows(name, args.dtype, args.quick):
+            if only and kernel not in only:
+                continue
             us = time_us(fn)
             gbs = nbytes / us * 1e-3
             key = (kernel, shape, ("S(max)" if "S(max)" in variant else "S(L)") if kernel == "attention" else "")

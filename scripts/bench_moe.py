@@ -47,13 +47,17 @@ from kdt.kernels.bench import copy_bandwidth, moe_layer, rand, time_us  # noqa: 
 def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tiles]]:
     """The default launch shape with one of the recent changes undone (name, tiles): kernel A routing all M
     tokens in one block, kernel C's experts per block by M alone (session 10); kernel A's token tiles by M
-    alone (session 11); kernels A and B as two launches (session 24)."""
+    alone (session 11); kernels A and B as two launches (session 24); float32 x into the tensor cores, the shared GEMMs
+    over all M tokens a block (session 28)."""
     t = moe.v2_tiles(M, k, E, D)
     r = dataclasses.replace
     old = [("A_one_router", r(t, rt=False))] if M > t.tt_s else []
     if t.ab:  # session 24: kernels A and B in one launch (and its register cap)
         old.append(("A_B_apart", r(t, ab=False)))
         old += [(f"AB_regs{n}", r(t, ab_regs=n)) for n in (0, 80, 96) if n != t.ab_regs]
+    if t.tc:  # session 28: the GEMM inputs written hi / lo by their producers (M > 64), the shared GEMMs a pass a block
+        old += [("tc_hilo" if not t.tc_hilo else "tc_f32_x", r(t, tc_hilo=not t.tc_hilo)),
+                ("tc_all_tokens", r(t, tc_split=False)), ("tc_s27", r(t, tc_hilo=False, tc_split=False))]
     if t.tc:  # session 26: tensor cores at M >= TC_MIN_M; the FMA tiles as before
         saved, moe.TC_MIN_M = moe.TC_MIN_M, 0
         try:
@@ -79,7 +83,7 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
     if t.tc:  # tensor cores: token tiles a pass, words in flight, kernel C's (and the shared down's) row tiles
         return [(f"tc{n}", r(t, tc=n)) for n in (1, 2, 4) if n != t.tc] + [
             ("tc_words4", r(t, u=4, u_c=4)), ("tc_words1", r(t, u=1, u_c=1)), ("tc_rows1", r(t, tc_rt=1)),
-            ("tc_rows4", r(t, tc_rt=4)), ("tc_split", r(t, tc_split=True))]
+            ("tc_rows4", r(t, tc_rt=4))]
     if M <= 1:
         return [("kernel_B_shared_last", r(t, sd_first=False)), ("rows8_words2", r(t, nr=8, u=2, nr_c=8, u_c=2)),
                 ("words2", r(t, u=2, u_c=2)), ("words8", r(t, u=8, u_c=8)), ("C_8warps", r(t, nw_c=8))]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -17,6 +17,25 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember the ex
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")")
+}
+tparts() {  # tparts T NAME TESTS...: a gpu pytest process in the background (T seconds at most, or $TEST_TIMEOUT), its
+  # log $OUT/pytest_NAME.log ending in its exit code; `wait` for it
+  local t=${TEST_TIMEOUT:-$1} n=$2; shift 2
+  ( timeout "$t" python3 -m pytest -q -m gpu "$@" -p no:cacheprovider -rf > "$OUT/pytest_$n.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_$n.log" ) &
+}
+verify_beside_tparts() {  # verify_beside_tparts T CODE NAMES...: kdt verify of tiny (fp32) and, with CODE = 1,
+  # model_code (bf16) on CUDA (T s each) beside the tparts processes started before; then the verify lines and the
+  # summary of each NAME's tests
+  local t=$1 code=$2; shift 2
+  ( step verify_cuda_fp32 "$t" python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
+    [ "$code" = 1 ] && step verify_code_cuda "$t" python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda \
+      --dtype bf16
+    printf '%s\n' "${summary[@]}" > "$OUT/verify_summary.txt" ) &
+  wait
+  cat "$OUT/verify_summary.txt"; grep -h "PASS\|FAIL" "$OUT"/verify_*.log | tail -n 4
+  for n in "$@"; do echo "pytest $n:"; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_$n.log" \
+    | cut -c1-300; done
 }
 parts() {  # parts FILE: FILE into $OUT in 15 MB pieces (the device returns at most 8 files of 16 MiB each);
   # put it back together with: cat NAME.part* > NAME
@@ -1087,22 +1106,11 @@ s27c)  # session 27, issue 7: tensor cores on by default (MoE from 32 tokens and
   # bf16); then Nsight Compute on the MoE layer at M = 64 (s27b's, its kernels from the tests' disk cache); then
   # linear_tc's plans at M = 64 (row groups of warps sharing x in L1 against warps splitting K), alone
   m=tests/test_kernels_moe.py::test_moe_forward_moonlight
-  tparts() {  # tparts NAME TESTS...: a pytest process in the background, its log $OUT/pytest_NAME.log
-    local n=$1; shift
-    ( timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu "$@" -p no:cacheprovider -rf > "$OUT/pytest_$n.log" 2>&1
-      echo "rc=$?" >> "$OUT/pytest_$n.log" ) &
-  }
-  tparts tc "${m}_tc"
-  tparts big "$m[64-bf16-2]" "$m[256-bf16-2]" "$m[64-bf16-1]" "$m[256-bf16-1]"
-  tparts small tests/test_kernels_linear.py tests/test_kernels_tc.py -k tc
-  tparts small_moe "$m[1-bf16-2]" "$m[16-bf16-2]" "$m[1-bf16-1]" "$m[16-bf16-1]"
-  ( step verify_cuda_fp32 200 python3 -m kdt.cli verify fixtures/model_tiny.h5 --backend cuda --dtype float32
-    step verify_code_cuda 200 python3 -m kdt.cli verify fixtures/model_code.h5 --backend cuda --dtype bf16
-    printf '%s\n' "${summary[@]}" > "$OUT/verify_summary.txt" ) &
-  wait
-  cat "$OUT/verify_summary.txt"; grep -h "PASS\|FAIL" "$OUT"/verify_*.log | tail -n 4
-  for n in tc big small small_moe; do echo "pytest $n:"; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" \
-    "$OUT/pytest_$n.log" | cut -c1-300; done
+  tparts 300 tc "${m}_tc"
+  tparts 300 big "$m[64-bf16-2]" "$m[256-bf16-2]" "$m[64-bf16-1]" "$m[256-bf16-1]"
+  tparts 300 small tests/test_kernels_linear.py tests/test_kernels_tc.py -k tc
+  tparts 300 small_moe "$m[1-bf16-2]" "$m[16-bf16-2]" "$m[1-bf16-1]" "$m[16-bf16-1]"
+  verify_beside_tparts 200 1 tc big small small_moe
   NCU_TIMEOUT=${NCU_TIMEOUT:-120} ncu_moe 64
   step linear_tc ${LINEAR_TIMEOUT:-120} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 64 \
     --tc 64 --json "$OUT/linear-tc-$day-moonlight-s27c.json"
@@ -1116,7 +1124,45 @@ s27e)  # session 27, issue 7: s27d with the kernels compiled first in 8 processe
   step bench_moonlight ${BENCH_TIMEOUT:-540} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 8 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s27e.json"
   tail -n 60 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e"; exit 2 ;;
+s28a)  # session 28, issue 7: the tensor cores' x written hi / lo by its producers (MoE: kernel A's b_perm and h_shared,
+  # B's h; linear: the norm before the lm_head and [q_a | kv_a]) against float32 x, alone on the GPU: the Moonlight
+  # MoE layer at M = 64 / 256 (with session 27's untimed tc_split), linear_tc per projection; then the gpu tests of
+  # the changed kernels in three processes beside kdt verify (tiny fp32, model_code bf16)
+  step moe_hilo ${BENCH_TIMEOUT:-230} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 64,256 --sweep \
+    --jobs 9 --only "v2,v2 tc_f32_x,v2 tc_split" --json "$OUT/moe-$day-moonlight-s28a.json"
+  grep -h "moonlight\|compiled\|Error\|error" "$OUT/moe_hilo.log" | cut -c1-150
+  step linear_hilo ${LINEAR_TIMEOUT:-120} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,256 \
+    --tc "" --jobs 8 --json "$OUT/linear-tc-$day-moonlight-s28a.json"
+  grep -h "moonlight\|N=\|Error\|error" "$OUT/linear_hilo.log" | cut -c1-190
+  m=tests/test_kernels_moe.py::test_moe_forward_moonlight
+  tparts 190 tc tests/test_kernels_tc.py "${m}_tc"
+  tparts 190 big "$m[64-bf16-2]" "$m[256-bf16-2]"
+  tparts 190 linear tests/test_kernels_linear.py -k "tc or norm"
+  verify_beside_tparts 190 1 tc big linear ;;
+s28b)  # session 28, issue 7: kdt bench on the Moonlight shape with the tensor cores' x hi / lo and the MoE's shared GEMMs
+  # one pass a block (the new defaults), alone; then the gpu tests of the changed kernels beside kdt verify; then the
+  # MoE layer at M = 32 / 64 / 256 against the variants with one of the session's changes undone
+  step bench_moonlight ${BENCH_TIMEOUT:-290} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --compile-jobs 8 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s28b.json"
+  tail -n 42 "$OUT/bench_moonlight.log" | cut -c1-160
+  m=tests/test_kernels_moe.py::test_moe_forward_moonlight
+  tparts 140 big "$m[64-bf16-2]" "$m[256-bf16-2]" "${m}_tc"
+  tparts 140 linear tests/test_kernels_linear.py -k "norm_tc"
+  verify_beside_tparts 140 1 big linear
+  step moe_s28 ${MOE_TIMEOUT:-120} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 32,64,256 --previous \
+    --jobs 12 --only "v2,v2 tc_f32_x,v2 tc_all_tokens,v2 tc_s27" --json "$OUT/moe-$day-moonlight-s28b.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_s28.log" | cut -c1-150 ;;
+s28c)  # session 28, issue 7: uv_project on tensor cores (M >= 16), the MoE's hi / lo x from 4 token tiles a pass: their
+  # gpu tests (and the linear norm's, fixed) in three processes beside kdt verify (tiny fp32); then uv_project alone
+  m=tests/test_kernels_moe.py::test_moe_forward_moonlight
+  tparts 170 moe "$m[64-bf16-2]" "$m[256-bf16-2]" "${m}_tc"
+  tparts 170 mla tests/test_kernels_mla.py -k "uv_project_gpu and bf16"
+  tparts 170 linear tests/test_kernels_linear.py -k "norm_tc"
+  verify_beside_tparts 170 0 moe mla linear
+  step uv_tc ${MLA_TIMEOUT:-70} python3 scripts/bench_mla.py --presets moonlight-16b-a3b,kimi-k2 --quick \
+    --kernels uv_project --json "$OUT/mla-uv-$day-s28c.json"
+  grep -h "uv_project\|Error\|error" "$OUT/uv_tc.log" | cut -c1-150 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

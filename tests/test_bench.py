@@ -57,12 +57,13 @@ def test_median_run_takes_the_median_decode_and_host_work():
 
     from kdt.bench import _median_run
 
-    runs = iter([SimpleNamespace(decode_s=d, host_s=h, steps=10) for d, h in
-                 ((3.0, 0.5), (1.0, 0.1), (2.0, 0.2), (9.0, 0.3), (4.0, 0.4))])
-    med, host = _median_run(lambda: next(runs), 5)
+    runs = iter([SimpleNamespace(decode_s=d, host_s=h, steps=10, host_parts={"draft": h / 10, "gc": g})
+                 for d, h, g in ((3.0, 0.5, 0.0), (1.0, 0.1, 0.0), (2.0, 0.2, 5.0), (9.0, 0.3, 0.0), (4.0, 0.4, 0.0))])
+    med, host, parts = _median_run(lambda: next(runs), 5)
     assert med.decode_s == 3.0 and math.isclose(host, 0.03)
-    one, none = _median_run(lambda: SimpleNamespace(decode_s=1.0, host_s=None, steps=4), 3)
-    assert one.decode_s == 1.0 and none is None
+    assert math.isclose(parts["draft"], 0.003) and parts["gc"] == 0.0  # each part's median a step
+    one, none, no_parts = _median_run(lambda: SimpleNamespace(decode_s=1.0, host_s=None, steps=4), 3)
+    assert one.decode_s == 1.0 and none is None and no_parts == {}
 
 
 def test_compile_parts_cover_the_bench_once():
@@ -72,10 +73,12 @@ def test_compile_parts_cover_the_bench_once():
 
     bc = BenchConfig()
     parts = compile_parts(bc)
-    assert parts[0].prefill_sizes == bc.prefill_sizes and parts[0].decode_tokens > 0 and not parts[0].tree_sizes
-    verifies = [(p.tree_prefixes, p.tree_sizes) for p in parts[1:]]
+    assert parts[0].decode_tokens > 0 and not parts[0].prefill_sizes and not parts[0].tree_sizes  # the decode rows
+    assert sorted(p.prefill_sizes for p in parts if p.prefill_sizes) == [(P,) for P in sorted(bc.prefill_sizes)]
+    verifies = [(p.tree_prefixes, p.tree_sizes) for p in parts if p.tree_sizes]
     assert sorted(verifies) == sorted(((L,), (n,)) for L in bc.tree_prefixes for n in bc.tree_sizes)
-    assert all(not p.prefill_sizes and p.decode_tokens == 0 for p in parts[1:])
+    assert all(p.decode_tokens == 0 for p in parts[1:])
+    assert all(len(p.prefill_sizes) + len(p.tree_sizes) == 1 for p in parts[1:])  # one row a job
     assert all(p.repeats == 1 and p.budget == bc.budget and p.block_size == bc.block_size for p in parts)
 
 
@@ -87,6 +90,8 @@ def test_precompile_runs_every_part_in_worker_processes():
     cfg, bc, msgs = preset("tiny"), BenchConfig.quick(), []
     precompile(cfg, "cpu", "float32", 400, 256, bc, jobs=2, log=msgs.append)
     assert len(msgs) == len(compile_parts(bc))
-    assert sum("prefill and decode" in m for m in msgs) == 1
+    assert sum(m.startswith("compiled decode") for m in msgs) == 1
+    assert {m.split(" in ")[0] for m in msgs if m.startswith("compiled prefill")} == {
+        f"compiled prefill P={P}" for P in bc.prefill_sizes}
     assert {m.split(" in ")[0] for m in msgs if m.startswith("compiled verify")} == {
         f"compiled verify n={n} L={L}" for L in bc.tree_prefixes for n in bc.tree_sizes}

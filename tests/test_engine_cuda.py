@@ -176,6 +176,8 @@ def test_device_step_program_equals_separate_steps(rng):
     fused = ar_generate(cm, prompt, 4)
     step = cm.tree_ops.device_step(None)
     assert fused.tokens == ar.tokens and fused.host_s is not None and ar.host_s is None
+    parts = fused.host_parts  # the host work's parts: within the decode's time, launches counted
+    assert set(parts) == {"draft", "launch", "gc"} and parts["draft"] == 0.0 and 0 < parts["launch"] < fused.decode_s
     assert step.launched == 3 and step.dropped == 0  # steps since start(): 1 and 2 had the next in flight
     k = safe_len(ar.logits)
     dcfg = DrafterConfig(target_layers=(0, MICRO.num_hidden_layers - 1), block_size=3, num_hidden_layers=1,
@@ -437,3 +439,31 @@ def test_wait_for_polls_or_blocks():
     n = NoQuery()
     wait_for(n, spin=True)
     assert n.syncs == 1
+
+
+def test_event_query_without_exceptions(monkeypatch):
+    """wait_for's poll: cuEventQuery's result code straight from the CUDA binding where the event holds a CUevent;
+    any code but "not ready" that is not success goes to numba's query (which raises it); other events: their own
+    query."""
+    from types import SimpleNamespace
+
+    from kdt.engine import cuda_step
+
+    asked = []
+    plain = SimpleNamespace(handle=None, query=lambda: asked.append("plain") or True)
+    assert cuda_step._query(plain)() and asked == ["plain"]
+    cu = pytest.importorskip("cuda.bindings.driver")
+    codes = iter([cu.CUresult.CUDA_SUCCESS,  # (the probe when the query is made)
+                  cu.CUresult.CUDA_ERROR_NOT_READY, cu.CUresult.CUDA_SUCCESS, cu.CUresult.CUDA_ERROR_INVALID_HANDLE])
+    monkeypatch.setattr(cuda_step, "_cu", SimpleNamespace(CUevent=cu.CUevent, CUresult=cu.CUresult,
+                                                          cuEventQuery=lambda h: (next(codes),)))
+    q = cuda_step._query(SimpleNamespace(handle=cu.CUevent(), query=lambda: asked.append("numba") or True))
+    assert q() is False and q() is True and asked == ["plain"]
+    assert q() is True and asked == ["plain", "numba"]
+
+    def refuses(h):
+        raise TypeError("not a handle of this binding")
+
+    monkeypatch.setattr(cuda_step._cu, "cuEventQuery", refuses)
+    numba_query = SimpleNamespace(handle=cu.CUevent(), query=lambda: True).query
+    assert cuda_step._query(SimpleNamespace(handle=cu.CUevent(), query=numba_query)) is numba_query

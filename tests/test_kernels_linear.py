@@ -395,6 +395,55 @@ def test_linear_tc_sim(rng, monkeypatch, M, N, K, accumulate, plan):
     assert calls == [1]
 
 
+def _check_norm_tc(rng, monkeypatch, M, N, K, hilo, accumulate):
+    """linear(..., norm=(gw, eps, a)) on tensor cores: the norm writes a as hi / lo (TC_HILO_X; a's bytes then hold
+    bf16 hi / lo pairs) or float32; y against float64 on the rounded weights, a's value (hi + lo) against the
+    normalised rows, x unchanged."""
+    monkeypatch.setattr(lin, "TC_HILO_X", hilo)
+    W_store, W_seen, _ = _weights(rng, N, K, "bf16")
+    x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
+    gw = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32)
+    y0 = rng.standard_normal((M, N)).astype(np.float32) if accumulate else poisoned((M, N))
+    d_x, d_y, d_a = cuda.to_device(x), cuda.to_device(y0), cuda.to_device(poisoned((M, K)))
+    seen = []
+    tc_fn = lin.linear_tc
+    monkeypatch.setattr(lin, "linear_tc", lambda x, *a, **kw: (seen.append(np.dtype(x.dtype)), tc_fn(x, *a, **kw)))
+    lin.linear(d_x, cuda.to_device(W_store), d_y, accumulate, norm=(cuda.to_device(gw), 1e-6, d_a))
+    assert seen == [np.dtype(np.uint64) if hilo else np.dtype(np.float32)]
+    xn = rmsnorm_ref(x.astype(np.float64), gw, 1e-6)
+    a = d_a.copy_to_host()
+    if hilo:
+        halves = a.view(np.uint16).reshape(M, K // 4, 2, 4).astype(np.uint16)
+        a = (bf16_bits_to_f32(halves[:, :, 0]).astype(np.float64)
+             + bf16_bits_to_f32(halves[:, :, 1]).astype(np.float64)).reshape(M, K)
+    assert rel_err(a, xn) < (1e-5 if hilo else 1e-6)  # hi + lo: x to ~2^-17 an element
+    ref = linear_ref(xn, W_seen) + (y0.astype(np.float64) if accumulate else 0.0)
+    assert rel_err(d_y.copy_to_host(), ref) < BF16_VS_ROUNDED
+    np.testing.assert_array_equal(d_x.copy_to_host(), x)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("hilo", [True, False])
+@pytest.mark.parametrize("M,N,K,accumulate", [(17, 37, 72, False), (16, 20, 40, True)])
+def test_linear_norm_tc_sim(rng, monkeypatch, hilo, M, N, K, accumulate):
+    """The norm before a tensor-core linear (the lm_head's, [q_a | kv_a]'s) writes x as hi / lo for it (see
+    _check_norm_tc), or float32 with KDT_LINEAR_HILO_X=0."""
+    monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(lin, "TC_MIN_M", 16)
+    monkeypatch.setattr(lin, "FUSE_NORM", False)
+    _check_norm_tc(rng, monkeypatch, M, N, K, hilo, accumulate)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(64, 163840, 2048), (16, 3648, 2048), (33, 1000, 1004)])
+def test_linear_norm_tc_gpu(rng, monkeypatch, M, N, K):
+    """The hi / lo norm and the tensor cores at the lm_head (M = 64), [q_a | kv_a] (M = 16) and a ragged shape."""
+    monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)  # the ragged one's 1000 x 1004 weights: tensor cores, and the
+    monkeypatch.setattr(lin, "FUSE_NORM", False)  # norm not folded into v2 as for other small matrices
+    _check_norm_tc(rng, monkeypatch, M, N, K, True, M == 33)
+
+
 @pytest.mark.kernels
 def test_linear_tc_rules(monkeypatch):
     """Tensor cores for bf16, contiguous, K % 4 == 0, M >= TC_MIN_M and large enough matrices only."""

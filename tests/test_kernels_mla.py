@@ -530,6 +530,20 @@ def code_cfg(**kw):
                   v_head_dim=32, max_position_embeddings=1024, **kw)
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("M", [3, 9])
+def test_uv_project_tc(rng, monkeypatch, M):
+    """W_uv on tensor cores (kdt.kernels.tc.gemm_kernel a head, uv_uses_tc), against float64 on the rounded weights: 3
+    heads, dv = 20 (the block's second row tile partly past dv), Rkv = 24 (6 weight words: the last of the 4 warps
+    splitting them has none), 8-token tiles (the second partial at M = 9)."""
+    monkeypatch.setattr(mla, "UV_TC_MIN_M", 1)
+    monkeypatch.setattr(mla, "UV_ROW_PER_WARP_ELEMS", 0)
+    cfg = micro_cfg(num_attention_heads=3, kv_lora_rank=24, v_head_dim=20)
+    kv_b = cuda.to_device(np.zeros((3 * (cfg.qk_nope_head_dim + 20), 24), np.uint16))
+    assert mla.uv_uses_tc(M, kv_b, 3, 20) and not mla.uv_uses_tc(M, kv_b.copy_to_host().astype(np.float32), 3, 20)
+    check_uv_project(rng, cfg, M, "bf16", version=2)
+
+
 def test_uv_project_small_weight_rule():
     """One output row per warp, one token per block at any M for a small W_uv; v1's tiling above M = 2
     for Moonlight's (16 x 128 x 512)."""

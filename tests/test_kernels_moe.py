@@ -528,6 +528,8 @@ V2_SIM_TILES = {
     "tc_split": moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2, tc=1,
                             tc_rt=1, tc_split=True),
 }
+# ... with the GEMM inputs in the hi / lo layout (kernel A writes b_perm and h_shared, B writes h: tc_hilo)
+V2_SIM_TILES.update({f"{name}_hilo": replace(V2_SIM_TILES[name], tc_hilo=True) for name in ("tc", "tc2", "tc_split")})
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
 _V2_SKEW = dict(n_routed_experts=7, num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
@@ -553,6 +555,9 @@ V2_CASES = [
     (_V2_GROUPED, BF16, 17, True, False, "tc"),
     (dict(_V2_SKEW, hidden_size=36), BF16, 11, False, True, "tc2"),
     (dict(_V2_SKEW, hidden_size=36), BF16, 17, True, False, "tc_split"),  # 2 shared experts: Is = 24, 3 passes
+    (_V2_GROUPED, BF16, 17, True, False, "tc_hilo"),
+    (dict(_V2_SKEW, hidden_size=36), BF16, 11, False, True, "tc2_hilo"),
+    (dict(_V2_SKEW, hidden_size=36), BF16, 17, True, False, "tc_split_hilo"),
 ]
 
 
@@ -643,7 +648,8 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
             k = c.num_experts_per_tok
             want = replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M)
             if first is not None and M >= first:  # tensor cores, kernel C one expert a block
-                want = replace(want, tc=2 if M <= 64 else 4, jc=1)
+                want = replace(want, tc=2 if M <= 64 else 4, jc=1, tc_hilo=moe.TC_HILO and M > 64,
+                               tc_split=moe.TC_SPLIT)
             assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == want, (name, M)
             assert moe.v2_tiles(M, 2, 8, 256).tc == 0  # small models (model_code): the FMA tiles
 

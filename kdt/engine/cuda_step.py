@@ -176,10 +176,39 @@ def wait_for(event, spin: bool = SPIN_WAIT) -> None:
     """Until the work before ``event`` is done: a loop of queries with ``spin`` (the simulator's events have no
     query: they are always done), else the event's blocking synchronize."""
     if spin and hasattr(event, "query"):
-        while not event.query():
+        query = _query(event)
+        while not query():
             pass
     else:
         event.synchronize()
+
+
+try:
+    from cuda.bindings import driver as _cu
+except ImportError:  # (numba-cuda's ctypes binding, or none)
+    _cu = None
+
+
+def _query(event):
+    """``event.query`` without an exception a call: numba-cuda's Event.query formats an error message and raises
+    and catches a CudaAPIError at every not-ready answer (thousands in a 30 ms step); this asks cuEventQuery of the
+    CUDA binding and compares its result code."""
+    h = getattr(event, "handle", None)
+    if _cu is None or not isinstance(h, _cu.CUevent):
+        return event.query
+    try:
+        _cu.cuEventQuery(h)
+    except Exception:  # (a binding that does not take this handle: numba's query)
+        return event.query
+    done, busy = _cu.CUresult.CUDA_SUCCESS, _cu.CUresult.CUDA_ERROR_NOT_READY
+
+    def query() -> bool:
+        err = _cu.cuEventQuery(h)[0]
+        if err == busy:
+            return False
+        return err == done or event.query()  # (another code: numba's query raises it)
+
+    return query
 
 
 class StepGraph:
@@ -205,6 +234,7 @@ class StepGraph:
         self.dropped = 0  # steps launched ahead and dropped (discard)
         self.graphs = ForwardGraphs(self._program) if self.model.graphs is not None else None
         self.wait_s = 0.0  # time the host waited for the steps' programs (on the event behind each)
+        self.launch_s = 0.0  # time the host spent in launch(): checks, host draft uploads, the program's launch
 
     @property
     def drafts_on_device(self) -> bool:
@@ -245,6 +275,7 @@ class StepGraph:
         = (tokens [D, K], logp [D, K]) from a host drafter, None when the program drafts (or budget 0).
         It starts from the device state the steps launched before it leave; ``result`` reads its tokens.
         At most two steps are in flight (the record has two rows)."""
+        t0 = time.perf_counter()
         if len(self.in_flight) >= 2:
             raise RuntimeError("StepGraph.launch: two steps in flight already (read one with result())")
         if budget > 0:
@@ -271,6 +302,7 @@ class StepGraph:
         self.in_flight.append((self.launched, drafted, self.pending_ctx))
         self.launched += 1
         self.pending_ctx = self.pending_ctx or drafted
+        self.launch_s += time.perf_counter() - t0
 
     def result(self) -> list[int]:
         """The tokens committed by the oldest step in flight (waits for it: the steps' only synchronisation)."""

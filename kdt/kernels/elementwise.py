@@ -19,6 +19,7 @@ from functools import cache
 import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint16
 
+from kdt.kernels import tc
 from kdt.kernels.common import IS_SIM, WARP, cdiv, grid_dependency_wait, ldcg2, register_ptx, weight_loader
 
 __all__ = ["embedding", "rmsnorm", "silu_mul", "add", "argmax_rows"]
@@ -188,14 +189,16 @@ def embedding(tokens, embed, x, stream=0) -> None:
 
 # ---- rmsnorm ----------------------------------------------------------------------------------------
 @cache
-def _rmsnorm_kernel(dtype):
+def _rmsnorm_kernel(dtype, hilo: bool = False):
     load = weight_loader(dtype)
     RED = NORM_THREADS if IS_SIM else WARP
+    HILO = hilo
 
     @cuda.jit
     def rmsnorm_kernel(x, w, eps, y, ncols):
         """x[M, >= ncols] f32, w[ncols] f32|uint16(bf16), y[M, >= ncols] f32:
         y[m, :ncols] = x[m, :ncols] / sqrt(mean(x[m, :ncols]^2) + eps) * w. grid = M blocks (one per row).
+        ``hilo``: y is uint16 [M, 2 ncols], the tensor cores' hi / lo layout (kdt.kernels.tc.put_hilo).
         """
         grid_dependency_wait()
         red = cuda.shared.array(RED, float32)
@@ -225,12 +228,15 @@ def _rmsnorm_kernel(dtype):
         ss = _block_sum((s0 + s1) + (s2 + s3), red)
         inv = float32(1.0) / math.sqrt(ss / float32(ncols) + float32(eps))
         for j in range(tid, ncols, nt):
-            y[m, j] = x[m, j] * inv * load(w[j])
+            if HILO:
+                tc.put_hilo(y, m, j, x[m, j] * inv * load(w[j]))
+            else:
+                y[m, j] = x[m, j] * inv * load(w[j])
 
     return rmsnorm_kernel
 
 
-def rmsnorm(x, w, eps: float, y, ncols: int | None = None, stream=0) -> None:
+def rmsnorm(x, w, eps: float, y, ncols: int | None = None, stream=0, hilo: bool = False) -> None:
     """RMSNorm of the first ``ncols`` columns of each row: y[m, :ncols] = x[m, :ncols] * rsqrt(mean(x[m,
     :ncols]^2) + eps) * w[:ncols].
 
@@ -238,15 +244,21 @@ def rmsnorm(x, w, eps: float, y, ncols: int | None = None, stream=0) -> None:
     ncols = Rkv); w: float32 or bf16-as-uint16 [ncols]; y: float32 [M, Ny] (Ny >= ncols; columns
     >= ncols untouched). ``ncols`` defaults to ``x.shape[1]``. x and y may also be non-contiguous views
     (e.g. ``buf[:, :Rkv]``) and y may be x (in place).
+
+    ``hilo``: y is uint16 [M, 2 ncols] (not x), the normalised rows in the tensor cores' hi / lo layout
+    (kdt.kernels.tc.XL_HILO: bf16 hi and lo; ncols a multiple of 4), which ``linear_tc`` reads as uint64.
     """
     M, Nx = x.shape
     ncols = Nx if ncols is None else int(ncols)
     if not (0 < ncols <= Nx and ncols <= y.shape[1] and y.shape[0] == M and tuple(w.shape) == (ncols,)):
         raise ValueError(f"rmsnorm: x {tuple(x.shape)}, w {tuple(w.shape)}, y {tuple(y.shape)}, "
                          f"ncols {ncols}")
+    if hilo and (ncols % 4 or y.shape[1] != 2 * ncols or np.dtype(y.dtype) != np.uint16):
+        raise ValueError(f"rmsnorm: the hi / lo layout needs y uint16 [M, 2 ncols], ncols % 4 == 0: y {y.dtype} "
+                         f"{tuple(y.shape)}, ncols {ncols}")
     if M == 0:
         return
-    _rmsnorm_kernel(np.dtype(w.dtype))[M, NORM_THREADS, stream](x, w, float(eps), y, ncols)
+    _rmsnorm_kernel(np.dtype(w.dtype), bool(hilo))[M, NORM_THREADS, stream](x, w, float(eps), y, ncols)
 
 
 # ---- silu_mul ---------------------------------------------------------------------------------------
@@ -455,6 +467,8 @@ def _register() -> None:
                      name=f"embedding_{dt.__name__}")
         register_ptx(_rmsnorm_kernel(np.dtype(dt)), (f2, wt[::1], float64, f2, int64),
                      name=f"rmsnorm_{dt.__name__}")
+        register_ptx(_rmsnorm_kernel(np.dtype(dt), True), (f2, wt[::1], float64, uint16[:, ::1], int64),
+                     name=f"rmsnorm_hilo_{dt.__name__}")  # linear's tensor cores after a norm (TC_HILO_X)
     # rmsnorm of a column slice (buf[:, :Rkv]): non-contiguous 'A' layout arrays
     register_ptx(_rmsnorm_kernel(np.dtype(np.float32)), (f2a, f1, float64, f2a, int64),
                  name="rmsnorm_A_layout")

@@ -168,6 +168,15 @@ FUSE_GLU = os.environ.get("KDT_LINEAR_FUSE_GLU", "0") == "1"
 TC_MIN_M = int(os.environ.get("KDT_LINEAR_TC_M", "16"))
 TC_LONG_K = 4
 TC_MIN_WEIGHTS = 1 << 20
+# A tensor-core linear after a norm (``linear(..., norm=...)``: the lm_head, [q_a | kv_a]) has the norm write x
+# already split into bf16 hi and lo (kdt.kernels.tc.XL_HILO, in the norm scratch's bytes): the warp tile then loads
+# two words a token tile and k group, not four floats and the ~50 integer instructions that split them (at the
+# lm_head's plan, 4 token tiles, ~200 a step of 16 mma). Measured (H200, s28a, `scripts/bench_linear.py --presets
+# moonlight-16b-a3b --M 16,64,256 --tc ""`, float32 / hi / lo x in us): lm_head 343.9 / 218.3, 1003.1 / 608.8,
+# 3810.8 / 2295.7 at M = 16 / 64 / 256; [q_a | kv_a] 12.6 / 10.7, 36.8 / 21.1, 118.3 / 69.5 (o_proj 19.9 / 14.9
+# and the dense down 105.2 / 71.6 at M = 64 would gain as much, their producers still write float32).
+# Env KDT_LINEAR_HILO_X=0: the norm writes float32.
+TC_HILO_X = os.environ.get("KDT_LINEAR_HILO_X", "1") != "0"
 
 
 def _skinny_config(M: int, N: int) -> tuple[int, int, int]:
@@ -707,17 +716,18 @@ def _weight_kind(W) -> str:
     raise TypeError(f"unsupported weight dtype {dt}: linear takes float32 or bf16 (stored as uint16)")
 
 
-def _check_args(x, W, y, glu: bool = False) -> tuple[int, int, int]:
-    """(M, K, N) of a valid call; ``glu``: x is [M, 2K] = [gate | up] for W[N, K]."""
+def _check_args(x, W, y, glu: bool = False, hilo: bool = False) -> tuple[int, int, int]:
+    """(M, K, N) of a valid call; ``glu``: x is [M, 2K] = [gate | up] for W[N, K]; ``hilo``: x is uint64
+    [M, K / 2], the tensor cores' hi / lo layout (kdt.kernels.tc.XL_HILO)."""
     M, Kx = x.shape
     N, K = W.shape
     if glu and Kx != 2 * K:
         raise ValueError(f"linear: with glu, x [gate | up] must have 2K = {2 * K} columns for W {tuple(W.shape)}, "
                          f"got x {tuple(x.shape)}")
-    if Kx != (2 * K if glu else K) or tuple(y.shape) != (M, N):
+    if (2 * Kx if hilo else Kx) != (2 * K if glu else K) or tuple(y.shape) != (M, N):
         raise ValueError(f"linear: x {tuple(x.shape)}, W {tuple(W.shape)}, y {tuple(y.shape)} do not match")
-    if np.dtype(x.dtype) != np.float32 or np.dtype(y.dtype) != np.float32:
-        raise TypeError("linear: x and y must be float32")
+    if np.dtype(x.dtype) != (np.uint64 if hilo else np.float32) or np.dtype(y.dtype) != np.float32:
+        raise TypeError("linear: x and y must be float32 (x uint64 in the hi / lo layout)")
     _weight_kind(W)
     return M, K, N
 
@@ -761,6 +771,9 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> 
         gw, eps, a = norm
         if v2 and fuses_norm(*W.shape, M) and _v2_reads(W):
             return linear_v2(x, W, y, accumulate, stream, norm=(gw, eps))
+        if TC_HILO_X and uses_tc(M, W) and a.is_c_contiguous():  # the norm writes x as hi / lo (see TC_HILO_X)
+            ew.rmsnorm(x, gw, eps, a.view(np.uint16), stream=stream, hilo=True)
+            return linear_tc(a.view(np.uint64), W, y, accumulate, stream)
         ew.rmsnorm(x, gw, eps, a, stream=stream)
         x = a
     if uses_tc(M, W):
@@ -791,15 +804,17 @@ def tc_plan(M: int, N: int) -> tuple[int, int, int, int, int]:
 
 
 def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int, int, int, int] | None = None) -> None:
-    """:func:`linear` on tensor cores (bf16 W [N, K], K % 4 == 0; :func:`kdt.kernels.tc.gemm_kernel`); ``plan`` =
-    (rt, nt, u, nw, kw) overrides :func:`tc_plan` (sweeps)."""
-    M, K, N = _check_args(x, W, y)
+    """:func:`linear` on tensor cores (bf16 W [N, K], K % 4 == 0; :func:`kdt.kernels.tc.gemm_kernel`); x float32
+    [M, K], or uint64 [M, K / 2] in the hi / lo layout (kdt.kernels.tc.XL_HILO, e.g. from rmsnorm's ``hilo``);
+    ``plan`` = (rt, nt, u, nw, kw) overrides :func:`tc_plan` (sweeps)."""
+    hilo = np.dtype(x.dtype) == np.uint64
+    M, K, N = _check_args(x, W, y, hilo=hilo)
     if _weight_kind(W) != "bf16" or K % 4 or not W.is_c_contiguous():
         raise ValueError(f"linear_tc: needs bf16 weights, contiguous, K a multiple of 4 (got {W.dtype} K={K})")
     if M == 0 or N == 0:
         return
     rt, nt, u, nw, kw = plan or tc_plan(M, N)
-    kern = tc.gemm_kernel(rt, nt, u, nw, False, 0 if kw == nw else kw)
+    kern = tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO if hilo else tc.XL_NATURAL, 0 if kw == nw else kw)
     rows = 16 * rt * (nw // kw)
     kern[(cdiv(M, 8 * nt), cdiv(N, rows)), nw * WARP, stream](x, W.view(np.uint64).reshape(1, N, K // 4), 0, y,
                                                               bool(accumulate))
@@ -1001,8 +1016,9 @@ def _register() -> None:
                      name=f"linear_v2_glu_{kind}_{TM}x{NR}_u{U}_w{warps}")
     # the tensor-core plans of tc_plan (kdt.kernels.tc registers the gemm's test plans)
     for rt, nt, u, nw, kw in sorted({tc_plan(M, N) for M in (16, 24, 64) for N in (576, 163840)}):
-        register_ptx(tc.gemm_kernel(rt, nt, u, nw, False, 0 if kw == nw else kw), (x2, uint64[:, :, ::1], int64, x2,
-                                                                                    boolean))
+        for xl, xt in ((tc.XL_NATURAL, x2), (tc.XL_HILO, uint64[:, ::1])):
+            register_ptx(tc.gemm_kernel(rt, nt, u, nw, xl, 0 if kw == nw else kw), (xt, uint64[:, :, ::1], int64, x2,
+                                                                                     boolean))
 
 
 _register()

@@ -37,8 +37,9 @@ import math
 import os
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint8, uint16, uint64
+from numba import boolean, cuda, float32, int32, int64, uint8, uint16, uint64
 
+from kdt.kernels import tc
 from kdt.kernels.common import (
     IS_SIM,
     Src,
@@ -733,6 +734,12 @@ def uv_project(o_lat, kv_b, o, stream=0, version: int | None = None) -> None:
     if M == 0:
         return
     dv = o.shape[1] // H
+    if _version(version) == 2 and uv_uses_tc(M, kv_b, H, dv) and o_lat.is_c_contiguous():
+        rt, nt, u, nw = _uv_tc_plan(M)
+        N = kv_b.shape[0]
+        tc.gemm_kernel(rt, nt, u, nw, heads=True)[(cdiv(M, 8 * nt), cdiv(dv, 16 * rt), H), nw * 32, stream](
+            o_lat.reshape(M * H, Rkv), kv_b.view(np.uint64).reshape(1, N, Rkv // 4), 0, o, False)
+        return
     if _version(version) == 2:
         G, NW, RPW, TM = _uv2_params(Rkv, M, H, dv)
     else:
@@ -1399,6 +1406,29 @@ def latent_write_and_absorb(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, q
 UV_ROW_PER_WARP_ELEMS = int(os.environ.get("KDT_MLA_UV_ROW_ELEMS", str(1 << 16)))  # 0: session 10's rule (A/B)
 
 
+# ... and from UV_TC_MIN_M tokens a large bf16 W_uv (more than UV_ROW_PER_WARP_ELEMS elements) runs on tensor cores
+# (kdt.kernels.tc.gemm_kernel with heads: a GEMM a head, 16 outputs x 8 tokens a mma). s26a (H200, the budget-63 step
+# launch by launch, Moonlight at M = 64): uv_project 34.5 us a launch for ~2 MB of W_uv and 134 MFLOP (~0.5 us of
+# bytes). Measured (s28c, `scripts/bench_mla.py --kernels uv_project`, FMA tiles / tensor cores, us): Moonlight (H =
+# 16) 10.6 / 5.3 at M = 16, 35.5 / 8.3 at M = 64; Kimi-K2 (H = 64) 35.6 / 8.9, 133.2 / 21.6.
+# Env KDT_MLA_UV_TC_M=0: never.
+UV_TC_MIN_M = int(os.environ.get("KDT_MLA_UV_TC_M", "16"))
+
+
+def _uv_tc_plan(M: int) -> tuple[int, int, int, int]:
+    """(rt, nt, u, nw) of uv_project on tensor cores: 32 outputs of a head a block, up to 4 token tiles of 8 (one to
+    16 tokens, two to 64: at Moonlight's M = 64, 4 x 4 x 16 = 256 blocks), 4 words in flight, 4 warps splitting
+    Rkv."""
+    return 2, 1 if M <= 16 else 2 if M <= 64 else 4, 4, 4
+
+
+def uv_uses_tc(M: int, kv_b, H: int, dv: int) -> bool:
+    """uv_project runs :func:`kdt.kernels.tc.gemm_kernel` a head (version 2; see UV_TC_MIN_M)."""
+    Rkv = kv_b.shape[1]
+    return (0 < UV_TC_MIN_M <= M and np.dtype(kv_b.dtype) == np.uint16 and Rkv % 4 == 0 and kv_b.is_c_contiguous()
+            and H * dv * Rkv > UV_ROW_PER_WARP_ELEMS)
+
+
 def _uv2_params(Rkv: int, M: int, H: int, dv: int) -> tuple[int, int, int, int]:
     """(G, NW, RPW, TM): at M <= 2, or any M for a small W_uv (``UV_ROW_PER_WARP_ELEMS``), one output row
     per warp, 8 warps per block (2048 independent warps at H=16); above, v1's tiling (x reuse over 8 rows
@@ -1450,6 +1480,8 @@ def _register() -> None:
                           f32_2), name=f"q_absorb2_kernel[{wdt},TM={TM},kv]")
         register_ptx(_uv_project_kernel(wdt, Rkv, 32, 8, 1, 1), (f32_3, w2, f32_2),
                      name=f"uv_project_kernel[{wdt},RPW=1]")
+    for M in (16, 64, 256):  # on tensor cores (uv_uses_tc)
+        register_ptx(tc.gemm_kernel(*_uv_tc_plan(M), heads=True), (f32_2, uint64[:, :, ::1], int64, f32_2, boolean))
     # Moonlight / Kimi (H >= 16; the prefetch modes), H = 4 at Rkv 512 and the tiny fixture (one warp)
     for rkv, d_r, NW, PFs in ((Rkv, dr, 4, (0, 1, 2)), (Rkv, dr, 1, (2,)), (64, 16, 1, (2,))):
         for PF in PFs:

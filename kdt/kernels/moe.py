@@ -57,15 +57,18 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
-from numba import boolean, cuda, float32, float64, int32, int64, uint64
+from numba import boolean, cuda, float32, float64, int32, int64, uint16, uint64
 
 from kdt.kernels import elementwise as ew
 from kdt.kernels import tc
 from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, grid_dependency_wait, ldcg2, ldcs3, register_ptx
 from kdt.kernels.linear import linear
+
+# kdt.kernels.tc's names that kernels A and C reach past their parameter ``tc`` (the tensor cores' token tiles)
+_put_hilo, XL_NATURAL, XL_PERM, XL_HILO = tc.put_hilo, tc.XL_NATURAL, tc.XL_PERM, tc.XL_HILO
 
 # ---- compile-time maxima --------------------------------------------------------------------------
 E_MAX = 512  # routed experts (Kimi K2: 384)
@@ -1002,12 +1005,12 @@ _V2_CACHE: dict[tuple, object] = {}
 
 
 def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
-                     rt: bool = True, tc: int = 0, tc_split: bool = False):
+                     rt: bool = True, tc: int = 0, tc_split: bool = False, hilo: bool = False):
     """Kernel A (see the section comment and :func:`_v2_route_body`): block b is role block b."""
-    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, tc, tc_split)
+    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, tc, tc_split, hilo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False, tc, tc_split)
+    body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False, tc, tc_split, hilo)
 
     def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb):
@@ -1017,14 +1020,15 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
              nlb, 0, counter)  # (no flags: the last two arguments are never read)
 
     kern.__name__ = (f"moe2_route_nw{nw}_b{epw_b}_s{epw_s}_nr{nr_s}_tt{tt_s}_u{u_s}_ul{u_l}{'_cs' if cs_s else ''}"
-                     f"{'_rt' if rt else ''}{f'_tc{tc}' if tc else ''}{'_split' if tc_split else ''}")
+                     f"{'_rt' if rt else ''}{f'_tc{tc}' if tc else ''}{'_split' if tc_split else ''}"
+                     f"{'_hilo' if hilo else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
 
 
 def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
-                   rt: bool, sig: bool, tc: int = 0, tc_split: bool = False):
+                   rt: bool, sig: bool, tc: int = 0, tc_split: bool = False, hilo: bool = False):
     """Kernel A's work as a device function of its role block ``bid`` (cached). Role blocks: nlb logits
     blocks (``_V2_NRL`` gate rows each, the nw warps split D), then the shared gate_up blocks (nw warps x
     nr_s/2 outputs each, all M tokens in tiles of tt_s). ``rt`` (route by token tile): nlb = n_eb
@@ -1035,8 +1039,9 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     grouping block raises the routed flag in ``sync`` when the grouping is written, and the last of the
     n_a - nlb shared gate_up blocks to finish raises the shared flag. ``tc`` (bf16 weights): the shared gate_up
     blocks on tensor cores (16 outputs a block, tc tiles of 8 tokens a pass; see "tensor cores" below), with
-    ``tc_split`` one pass a block (cdiv(M, 8 tc) blocks an output tile)."""
-    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig, tc, tc_split)
+    ``tc_split`` one pass a block (cdiv(M, 8 tc) blocks an output tile); ``hilo`` (with ``tc``): b_perm and h_shared
+    are written in the tensor cores' hi / lo layout (their uint16 views; see "tensor cores" below)."""
+    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig, tc, tc_split, hilo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if IS_SIM and nw > _V2_RWARPS:
@@ -1058,8 +1063,8 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     mm_s = _v2_mm(EPWS, NRS, TTS, u_s, False, 1, cs_s)
     red_s = _v2_reduce(NRS, TTS)
     pick_s = _v2_pick(NRS, TTS)
-    TCS, TSPLIT, PASS = tc, tc_split, 8 * tc
-    gate_up_tc = _tc_gate_up(nw, tc, u_s, cs_s, False, False) if tc else None
+    TCS, TSPLIT, PASS, HILO = tc, tc_split, 8 * tc, bool(tc) and hilo
+    gate_up_tc = _tc_gate_up(nw, tc, u_s, cs_s, False, XL_NATURAL, HILO) if tc else None
 
     def body(bid, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb, n_a,
@@ -1111,7 +1116,10 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
             for i in range(bid * NT + tid, M * D, nlb * NT):
                 m = i // D
                 d = i % D
-                b_perm[m, (d % EPWB) * Kwb + d // EPWB] = b[m, d]
+                if HILO:
+                    _put_hilo(b_perm, m, d, b[m, d])
+                else:
+                    b_perm[m, (d % EPWB) * Kwb + d // EPWB] = b[m, d]
             # ---- ticket: the last logits block of the tile (rt) or of all (not rt) routes --------------
             cuda.threadfence()
             cuda.syncthreads()
@@ -1289,6 +1297,19 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
 TC_MIN_M = int(os.environ.get("KDT_MOE_TC_M", "32"))  # tensor cores at M >= this (0: never)
 TC_MIN_LOAD = 3  # ... and M top_k >= TC_MIN_LOAD E (at M = 16, 1.5 tokens an expert, the FMA tiles won)
 TC_ROWS = tc.MMA_ROWS
+# The tensor cores' GEMM inputs (b_perm, h, h_shared) written by their producers already split into bf16 hi and lo
+# (``V2Tiles.tc_hilo``, kdt.kernels.tc.XL_HILO; kernel A's shared gate_up still splits its float32 b): the warp tile
+# then loads two words a token tile and k group instead of four floats and ~50 integer instructions (s27c's Nsight
+# Compute: ALU the busiest pipe of kernels B and C at M = 64, 46%). With it, the shared experts' GEMMs one token pass
+# a block (``V2Tiles.tc_split``). Measured (H200, s28a, `scripts/bench_moe.py --presets moonlight-16b-a3b --M 64,256
+# --sweep`, the Moonlight layer in us): M = 64: float32 x 657.4, hi / lo 713.9, hi / lo and one pass a block
+# 593.5; M = 256: 1691.5, 1349.3, 1017.0. s28b (`--previous`, the shared GEMMs one pass a block in each; float32 x /
+# hi / lo): M = 32 **483.6** / 508.4, M = 64 **571.4** / 594.6, M = 256 1450.8 / **1049.4** (all M tokens a block,
+# float32: 507.7, 657.3, 1783.5). So hi / lo x with 4 token tiles a pass (M > 64: ``_tc_tiles``), where a token
+# tile's x fragments serve 4x the mma; float32 x below. Env KDT_MOE_TC_HILO=0: never hi / lo; KDT_MOE_TC_SPLIT=0:
+# the shared GEMMs over all M tokens a block.
+TC_HILO = os.environ.get("KDT_MOE_TC_HILO", "1") != "0"
+TC_SPLIT = os.environ.get("KDT_MOE_TC_SPLIT", "1") != "0"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1303,17 +1324,18 @@ def _tc_shared_block(sb, n, rows, M, split, pass_tokens):
     return (sb % nob) * rows, p0, min(M, p0 + pass_tokens)
 
 
-def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, perm: bool):
+def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo: bool = False):
     """Device function ``gate_up(o0, W, e, X, start, end, rowsel, h)``: on tensor cores, for the tokens p in
-    [start, end) (X row ``rowsel[p]`` with ``gather``, else p; X word-permuted with ``perm``), outputs [o0, o0 +
-    16) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted; nt x 8 tokens a pass, the block's nw
-    warps splitting the input dimension. Every thread of the block calls it (barriers)."""
-    key = ("gate_up tc", nw, nt, u, cs, gather, perm)
+    [start, end) (X row ``rowsel[p]`` with ``gather``, else p; X in layout ``xl``, kdt.kernels.tc), outputs [o0,
+    o0 + 16) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted (``hilo``: h is the uint16 view of
+    the hi / lo layout); nt x 8 tokens a pass, the block's nw warps splitting the input dimension. Every thread of
+    the block calls it (barriers)."""
+    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    NW, NT, NA, NP, GATHER = nw, nt, 2 * nt * 4, nt * 4, gather  # NP: gate (and up) accumulators a lane holds
+    NW, NT, NA, NP, GATHER, HILO = nw, nt, 2 * nt * 4, nt * 4, gather, hilo  # NP: gate (up) accumulators a lane
     FRAG = tc.frag_shape(nw)
-    bmm = tc.block_mm(2, nt, u, perm, cs, nw)
+    bmm = tc.block_mm(2, nt, u, xl, cs, nw)
 
     def gate_up(o0, W, e, X, start, end, rowsel, h):
         lane = cuda.threadIdx.x % WARP
@@ -1340,7 +1362,11 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, perm: bool):
                 p = p0 + tc.acc_col(i, NT, t)
                 o = o0 + tc.acc_row(i, NT, g)
                 if p < end and o < I:
-                    h[p, (o % 4) * Kwh + o // 4] = gs / (float32(1.0) + math.exp(-gs)) * us
+                    v = gs / (float32(1.0) + math.exp(-gs)) * us
+                    if HILO:
+                        tc.put_hilo(h, p, o, v)
+                    else:
+                        h[p, (o % 4) * Kwh + o // 4] = v
             cuda.syncthreads()
 
     gate_up = _device(gate_up)
@@ -1348,16 +1374,17 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, perm: bool):
     return gate_up
 
 
-def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool):
+def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int):
     """Device function ``down(d0, W, e, X, start, end, y)``: on tensor cores, y[p, d] = sum_i W[e, d, i] X[p, i]
-    for the rows d in [d0, d0 + 16 rt) of D = W.shape[1] and the tokens p in [start, end) (X word-permuted), nt x 8
-    tokens a pass, the block's nw warps splitting I. Every thread of the block calls it (barriers)."""
-    key = ("down tc", nw, rt, nt, u, cs)
+    for the rows d in [d0, d0 + 16 rt) of D = W.shape[1] and the tokens p in [start, end) (X in layout ``xl``,
+    kdt.kernels.tc), nt x 8 tokens a pass, the block's nw warps splitting I. Every thread of the block calls it
+    (barriers)."""
+    key = ("down tc", nw, rt, nt, u, cs, xl)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, RT, NT, NA, NB = nw, rt, nt, rt * nt * 4, 2 * rt
     FRAG = tc.frag_shape(nw)
-    bmm = tc.block_mm(rt, nt, u, True, cs, nw)
+    bmm = tc.block_mm(rt, nt, u, xl, cs, nw)
 
     def down(d0, W, e, X, start, end, y):
         lane = cuda.threadIdx.x % WARP
@@ -1386,17 +1413,20 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool):
     return down
 
 
-def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool, split: bool = False):
+def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool, split: bool = False,
+                     hilo: bool = False):
     """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
     ntg, outputs [16 x, 16 x + 16) of I, x = rb % ntg; all the expert's tokens) and cdiv(D, 16 rt) shared-down
     blocks (rows [16 rt sb, 16 rt (sb + 1)) of D, all M tokens; with ``split`` cdiv(M, 8 nt) times as many
-    blocks, one pass of 8 nt tokens each), after the routed ones or, with ``sd_first``, before them."""
-    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split)
+    blocks, one pass of 8 nt tokens each), after the routed ones or, with ``sd_first``, before them. ``hilo``:
+    b_perm, h and h_shared in the hi / lo layout (b_perm and h_shared read as uint64, h written as uint16)."""
+    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     SDF, RS, SPLIT, PASS = sd_first, TC_ROWS * rt, split, 8 * nt
-    gate_up = _tc_gate_up(nw, nt, u, cs, True, True)
-    down = _tc_down(nw, rt, nt, u, cs_s)
+    xl = tc.XL_HILO if hilo else tc.XL_PERM
+    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo)
+    down = _tc_down(nw, rt, nt, u, cs_s, xl)
 
     def body(bid, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg,
              J, nb, sync):
@@ -1418,13 +1448,14 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
 
 
 def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
-                       sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False):
+                       sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False,
+                       hilo: bool = False):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split)
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if tc:
-        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split)
+        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo)
     else:
         body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
@@ -1435,7 +1466,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
 
     kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
                      f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
-                     f"{'_split' if tc_split else ''}")
+                     f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1566,20 +1597,22 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
     return k
 
 
-def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: int = 0, tc_rt: int = 2):
+def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: int = 0, tc_rt: int = 2,
+                    hilo: bool = False):
     """Kernel C. Block b = x * n_chunks + c: rows [x*R, x*R + R) of D (R = nw * nr, nr per warp) for
     the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
     expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
     tickets[x] back to 0 after) combines the tile for the M tokens in slot order (no float atomics):
     out[m, d] (+)= y_shared[m, d] + sum_slot topk_w[m, slot] * y[pos_of[m, slot], d], and with has_tee
     the same value into tee[m, d] (tee[>= M, D] f32; untouched without has_tee). ``tc`` (bf16 weights): the
-    routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt rows a block."""
-    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt)
+    routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt rows a block; with
+    ``hilo`` h is the uint64 view of the hi / lo layout."""
+    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, EPW, NR, TT, TC = nw, nw * WARP, epw, nr, tt, tc
     R = TC_ROWS * tc_rt if tc else nw * nr
-    down_tc = _tc_down(nw, tc_rt, tc, u, cs) if tc else None  # (its rows: [x R, x R + R))
+    down_tc = _tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM) if tc else None  # rows [x R, x R + R)
     RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
     WB, NACC = u * NR, NR * TT
     mm = _v2_mm(EPW, NR, TT, u, True, 1, cs)
@@ -1653,7 +1686,8 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
         if tid == 0:
             tickets[x] = 0
 
-    kern.__name__ = f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
+    kern.__name__ = (f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}"
+                     f"{f'_tc{tc}r{tc_rt}' if tc else ''}{'_hilo' if hilo else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1677,7 +1711,9 @@ class V2Tiles:
     tc_rt: the row tiles of 16 a block of their down projections (kernel B's shared, kernel C's routed); tc_split:
     the shared experts' GEMMs on tensor cores (kernel A's gate_up, B's down) one pass of 8 tc tokens a block, not
     all M tokens (at M = 64, 4x the blocks: s27c's Nsight Compute had kernel A at 96 us with 432 blocks, ~7
-    warps an SM, for ~6 us of bytes; not timed yet, so off)."""
+    warps an SM, for ~6 us of bytes); tc_hilo: the tensor cores' GEMM inputs written in the hi / lo layout by their
+    producers (kdt.kernels.tc.XL_HILO: kernel A writes b_perm and h_shared, B h), so the warp tile loads x fragments
+    instead of splitting float32. v2_tiles sets tc_split with tc, tc_hilo with 4 token tiles a pass (``TC_HILO``)."""
 
     nw: int = 4
     nr: int = 4
@@ -1699,6 +1735,7 @@ class V2Tiles:
     tc: int = 0
     tc_rt: int = 2
     tc_split: bool = False
+    tc_hilo: bool = False
 
 
 # Kernel C takes one active expert per block (jc = 1) while its grid stays within about one wave of
@@ -1730,7 +1767,8 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     a block."""
     t = replace(_v2_tiles_by_m(M, top_k), ab=M <= AB_MAX_M)
     if uses_tc(M, top_k, E, D) and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
-        t = replace(t, tc=_tc_tiles(M), jc=1)  # jc = 1: a block of kernel C is one expert's pass over 32 rows
+        tiles = _tc_tiles(M)  # jc = 1: a block of kernel C is one expert's pass
+        t = replace(t, tc=tiles, jc=1, tc_hilo=TC_HILO and tiles == 4, tc_split=TC_SPLIT)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
@@ -1784,10 +1822,10 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     """Kernels A, B and C of launch shape t for weight words of epw elements (with ``t.ab``, A and B
     are also compiled into kernel AB, :func:`_v2_ab_kernel`)."""
     tcn = t.tc if epw == 4 else 0
-    split = bool(tcn) and t.tc_split
-    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split),
-            _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split),
-            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt))
+    split, hilo = bool(tcn) and t.tc_split, bool(tcn) and t.tc_hilo
+    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
+            _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo),
+            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo))
 
 
 def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
@@ -1813,19 +1851,28 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         nsd = cdiv(D, TC_ROWS * t.tc_rt) * passes if t.tc else cdiv(cdiv(D, t.nr), t.nw)
     else:
         nsg = nsd = 0
-        sgu, sdn, hs = L._gu, L._dn, S.b_perm  # never read (no blocks use them)
+        sgu, sdn = L._gu, L._dn  # never read (no blocks use them), nor is hs below
+    hilo = bool(t.tc) and t.tc_hilo
+    hs = "h_shared" if has_shared else "b_perm"
+
+    def x_out(name: str):  # a tensor-core GEMM input as its producer writes it (hi / lo: the uint16 view)
+        return S.view(name, np.uint16) if hilo else getattr(S, name)
+
+    def x_in(name: str):  # ... as the GEMM reads it (hi / lo: the uint64 view)
+        return S.view(name, np.uint64) if hilo else getattr(S, name)
+
     a = V2Launch("A route+shared_gate_up", ka, nlb + nsg, t.nw * WARP, nlb, (
-        b, L._gate, L.bias, S.logits, S.b_perm, sgu, hs, S.topk_idx, S.topk_w, S.counts, S.offsets,
+        b, L._gate, L.bias, S.logits, x_out("b_perm"), sgu, x_out(hs), S.topk_idx, S.topk_w, S.counts, S.offsets,
         S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter, int(M), int(L.n_group),
         int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb)))
     ntg = cdiv(I, TC_ROWS) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
     bb = V2Launch("B gate_up+shared_down", kb, J * ntg + nsd, t.nw * WARP, J * ntg, (
-        S.b_perm, L._gu, S.h, S.active, S.n_active, S.offsets, S.counts, S.sorted_rows, hs, sdn, S.y_shared,
-        int(M), int(ntg), int(J)))
+        x_in("b_perm"), L._gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts, S.sorted_rows, x_in(hs), sdn,
+        S.y_shared, int(M), int(ntg), int(J)))
     n_chunks = cdiv(J, t.jc)
     nc = cdiv(D, TC_ROWS * t.tc_rt if t.tc else t.nw_c * t.nr_c) * n_chunks
     c = V2Launch("C down+combine", kc, nc, t.nw_c * WARP, nc, (
-        S.h, L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
+        x_in("h"), L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
         out if tee is None else tee,  # (never written without a tee)
         S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared), tee is not None))
     if t.ab:  # one grid: A's role blocks, then B's; no prefix of it runs alone (the last B block resets sync)
@@ -2201,6 +2248,16 @@ class MoEScratch:
     tickets: object = None  # [D] int32, zero between launches (version 2: tickets per row tile of D)
     sync: object = None  # [SYNC_WORDS] int32, zero between launches (version 2: kernel AB's tickets and flags)
     h_all: object = None  # [E * Mh, I] f32, Mh = min(M_max, SMALL_MAX_M): small layers only (the small path)
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def view(self, name: str, dtype) -> object:
+        """The float32 buffer ``name`` reinterpreted as ``dtype`` (made once): the tensor cores' hi / lo layout of
+        b_perm, h, h_shared (kdt.kernels.tc.XL_HILO) is written through its uint16 view and read through its uint64
+        one, in the same bytes."""
+        key = (name, np.dtype(dtype).str)
+        if key not in self._views:
+            self._views[key] = getattr(self, name).view(dtype)
+        return self._views[key]
 
     @classmethod
     def allocate(cls, cfg, M_max: int, stream=0) -> MoEScratch:
@@ -2330,12 +2387,20 @@ def _register() -> None:
     seen: set[int] = set()
     shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64, 256)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
               + [replace(_v2_tiles_by_m(M, 8), ab=M <= AB_MAX_M) for M in (64, 256)]  # FMA tiles (KDT_MOE_TC_M=0)
-              + [replace(v2_tiles(64, 8), tc_split=True)]  # the shared GEMMs one pass a block
+              + [replace(v2_tiles(64, 8), tc_split=False)]  # the shared GEMMs over all M tokens a block
+              + [replace(v2_tiles(64, 8), tc_hilo=True), replace(v2_tiles(256, 8), tc_hilo=False)]  # x the other way
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
+    h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
+
+    def put(sig, at):  # sig with its arguments at ``at`` (position: type) replaced
+        return tuple(at.get(i, ty) for i, ty in enumerate(sig))
+
+    sigs_hilo = (put(sig_a, {4: h16, 6: h16}), put(sig_b, {0: h64, 2: h16, 8: h64}), put(sig_c, {0: h64}))
     for epw in (2, 4):
         for t in shapes:
-            kernels = list(zip(_v2_kernels(t, epw), (sig_a, sig_b, sig_c), strict=True))
+            hilo = bool(t.tc) and t.tc_hilo and epw == 4
+            kernels = list(zip(_v2_kernels(t, epw), sigs_hilo if hilo else (sig_a, sig_b, sig_c), strict=True))
             for kern, sig in kernels + ([(_v2_ab_kernel(t, epw), sig_ab)] if t.ab else []):
                 if id(kern) not in seen:  # the factories cache: one object per launch shape
                     seen.add(id(kern))

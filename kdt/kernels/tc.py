@@ -23,6 +23,12 @@ Precision: x is float32; it enters as two bf16, hi = bf16(x) and lo = bf16(x - h
 float32), one mma each into the same accumulators. x is so carried to ~2^-17 of itself, a bf16 weight's
 products are exact and the sums fp32: about the error of float32 FMAs (bf16 x alone would add ~2^-9 a term).
 
+X layouts (``xl``): ``XL_NATURAL`` float32 [rows, K]; ``XL_PERM`` float32 word-permuted (element 4 w + i at
+column i Kw + w, kdt.kernels.moe's FMA layout); ``XL_HILO`` x already split into hi and lo by its producer
+(:func:`put_hilo`): uint64 [rows, 2 Kw], word 2 w the hi bf16 of elements 4 w .. 4 w + 3 (element 4 w + i in
+bits 16 i), word 2 w + 1 their lo: the same bytes as float32, and the warp tile loads a token tile's two b
+fragments of a group as two words instead of four floats and ~50 integer instructions of splitting.
+
 Under the simulator the mma is emulated for the whole warp through shared memory (``frag``, int64
 [warps, 32, 6]; a (1, 1, 1) array, unused, on the GPU) and ``cuda.syncthreads``: every warp of a block must
 issue the same number of mma (the warp tile below keeps its trip counts uniform).
@@ -33,9 +39,19 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
-from kdt.kernels.common import IS_SIM, bf16_to_f32, f32_to_bf16, grid_dependency_wait, ldcs3
+from kdt.kernels.common import (
+    IS_SIM,
+    bf16_bits_to_f32,
+    bf16_to_f32,
+    f32_to_bf16,
+    f32_to_bf16_bits,
+    grid_dependency_wait,
+    ldcs3,
+)
 
 MMA_ROWS = 16  # weight rows (A's rows) of one mma; its 8 token columns (B's) and 4 weight words a row are literals
+XL_NATURAL, XL_PERM, XL_HILO = 0, 1, 2  # X layouts of the warp tile (module docstring)
+XL_NAMES = {XL_NATURAL: "", XL_PERM: "_perm", XL_HILO: "_hilo"}
 
 
 def frag_shape(nw: int) -> tuple[int, int, int]:
@@ -126,7 +142,7 @@ _CACHE: dict = {}
 _U1, _U2, _U3, _U4 = uint64(1), uint64(2), uint64(3), uint64(4)
 
 
-def warp_mm(rt: int, nt: int, u: int, perm: bool, cs: bool):
+def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
     """Device function ``mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane)``: the warp's tile of rt x 16
     weight rows by nt x 8 tokens over the 4-word groups [g0, g1) of K (warp-uniform; words >= Kw count as 0):
 
@@ -134,20 +150,22 @@ def warp_mm(rt: int, nt: int, u: int, perm: bool, cs: bool):
     lane's rows g and g + 8 of row tile r, valid rows), token column 8 j + 2 t + (c & 1) (lane (g, t) passes
     xrows[j] = the X row of column 8 j + g, a valid row).
 
-    W: uint64 [E, N, Kw] (4 bf16 a word); X: float32, natural [rows, 4 Kw] or, with ``perm``, word-permuted
-    (element 4 w + i at column i * Kw + w, kdt.kernels.moe's b_perm and h). u groups' weight words are loaded
-    before their first use (``cs``: with the streaming hint). Every lane of the warp issues the same mma
-    sequence: the last partial step is masked (loads skipped, zeros), not shortened."""
-    key = (rt, nt, u, perm, cs)
+    W: uint64 [E, N, Kw] (4 bf16 a word); X in layout ``xl`` (module docstring: float32 natural [rows, 4 Kw] or
+    word-permuted, or uint64 hi / lo [rows, 2 Kw]). u groups' weight words (and, hi / lo, their x words) are loaded
+    before their first use (``cs``: the weights with the streaming hint). Every lane of the warp issues the same
+    mma sequence: the last partial step is masked (loads skipped, zeros), not shortened."""
+    key = (rt, nt, u, xl, cs)
     if key in _CACHE:
         return _CACHE[key]
-    RT, NT, PERM, CS = rt, nt, perm, cs
+    RT, NT, XL, CS = rt, nt, xl, cs
+    HILO = xl == XL_HILO
     NB, NWB = 2 * rt, 2 * rt * u  # weight words a lane loads a group, a step
+    NXB = 2 * nt * u if HILO else 1  # hi / lo x words a lane loads a step
 
     def step_fn(uu: int, checked: bool):
         UU, CHECKED = uu, checked
 
-        def step(W, e, rows, X, xrows, kb, Kw, acc, wbuf, frag, warp, lane):
+        def step(W, e, rows, X, xrows, kb, Kw, acc, wbuf, xbuf, frag, warp, lane):
             t = uint64(lane % 4)
             for q in range(UU):
                 w = kb + uint64(4 * q) + t
@@ -156,20 +174,35 @@ def warp_mm(rt: int, nt: int, u: int, perm: bool, cs: bool):
                         wbuf[q * NB + i] = ldcs3(W, e, rows[i], w) if CS else W[e, rows[i], w]
                     else:
                         wbuf[q * NB + i] = uint64(0)
+            if HILO:
+                for q in range(UU):
+                    w = kb + uint64(4 * q) + t
+                    for j in range(NT):
+                        xi = (q * NT + j) * 2
+                        if not CHECKED or w < Kw:
+                            xbuf[xi] = X[xrows[j], _U2 * w]
+                            xbuf[xi + 1] = X[xrows[j], _U2 * w + _U1]
+                        else:
+                            xbuf[xi] = xbuf[xi + 1] = uint64(0)
             for q in range(UU):
                 w = kb + uint64(4 * q) + t
                 ok = not CHECKED or w < Kw
                 for j in range(NT):
-                    xr = xrows[j]
-                    x0 = x1 = x2 = x3 = float32(0.0)
-                    if ok:
-                        if PERM:
-                            x0, x1, x2, x3 = X[xr, w], X[xr, Kw + w], X[xr, _U2 * Kw + w], X[xr, _U3 * Kw + w]
-                        else:
-                            c = _U4 * w
-                            x0, x1, x2, x3 = X[xr, c], X[xr, c + _U1], X[xr, c + _U2], X[xr, c + _U3]
-                    bh0, bl0 = split_bf16x2(x0, x1)
-                    bh1, bl1 = split_bf16x2(x2, x3)
+                    if HILO:
+                        xh, xo = xbuf[(q * NT + j) * 2], xbuf[(q * NT + j) * 2 + 1]
+                        bh0, bh1 = uint32(xh & uint64(0xFFFFFFFF)), uint32(xh >> uint64(32))
+                        bl0, bl1 = uint32(xo & uint64(0xFFFFFFFF)), uint32(xo >> uint64(32))
+                    else:
+                        xr = xrows[j]
+                        x0 = x1 = x2 = x3 = float32(0.0)
+                        if ok:
+                            if XL == XL_PERM:
+                                x0, x1, x2, x3 = X[xr, w], X[xr, Kw + w], X[xr, _U2 * Kw + w], X[xr, _U3 * Kw + w]
+                            else:
+                                c = _U4 * w
+                                x0, x1, x2, x3 = X[xr, c], X[xr, c + _U1], X[xr, c + _U2], X[xr, c + _U3]
+                        bh0, bl0 = split_bf16x2(x0, x1)
+                        bh1, bl1 = split_bf16x2(x2, x3)
                     for r in range(RT):
                         wg = wbuf[q * NB + 2 * r]
                         wg8 = wbuf[q * NB + 2 * r + 1]
@@ -192,6 +225,7 @@ def warp_mm(rt: int, nt: int, u: int, perm: bool, cs: bool):
         ur = cuda.local.array(NB, uint64)
         ux = cuda.local.array(NT, uint64)
         wbuf = cuda.local.array(NWB, uint64)
+        xbuf = cuda.local.array(NXB, uint64)
         for i in range(NB):
             ur[i] = uint64(rows[i])
         for j in range(NT):
@@ -199,15 +233,35 @@ def warp_mm(rt: int, nt: int, u: int, perm: bool, cs: bool):
         kb = uint64(4 * g0)
         kend = uint64(4 * g1)
         while kb + uint64(4 * U) <= kend and kb + uint64(4 * U) <= Kw:  # every word of the U groups in range
-            full(W, ue, ur, X, ux, kb, Kw, acc, wbuf, frag, warp, lane)
+            full(W, ue, ur, X, ux, kb, Kw, acc, wbuf, xbuf, frag, warp, lane)
             kb += uint64(4 * U)
         while kb < kend:  # the rest, a group at a time, masked
-            one(W, ue, ur, X, ux, kb, Kw, acc, wbuf, frag, warp, lane)
+            one(W, ue, ur, X, ux, kb, Kw, acc, wbuf, xbuf, frag, warp, lane)
             kb += uint64(4)
 
     mm = _device(mm)
     _CACHE[key] = mm
     return mm
+
+
+@_device
+def put_hilo(Xs, r, k, v):
+    """Element k of row r of a hi / lo X (``XL_HILO``) from the float32 v: Xs is the layout's uint16 view
+    [rows, 8 Kw] (bf16 hi at 8 (k // 4) + k % 4, lo 4 further)."""
+    h = f32_to_bf16(v)
+    c = 8 * (k // 4) + k % 4
+    Xs[r, c] = h
+    Xs[r, c + 4] = f32_to_bf16(v - bf16_to_f32(h))
+
+
+def hilo_np(X: np.ndarray) -> np.ndarray:
+    """The hi / lo layout (``XL_HILO``) of float32 X [rows, K] (K % 4 == 0) on the host: uint64 [rows, K / 2]."""
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    hi = f32_to_bf16_bits(X)
+    lo = f32_to_bf16_bits(X - bf16_bits_to_f32(hi))
+    rows, K = X.shape
+    out = np.stack([hi.reshape(rows, K // 4, 4), lo.reshape(rows, K // 4, 4)], axis=2)  # [rows, Kw, 2, 4]
+    return out.reshape(rows, 2 * K).view(np.uint64)
 
 
 @_device
@@ -237,20 +291,20 @@ def acc_col(i, nt, t):
     return 8 * ((i // 4) % nt) + 2 * t + (i & 1)
 
 
-def block_mm(rt: int, nt: int, u: int, perm: bool, cs: bool, nw: int, kw: int = 0):
+def block_mm(rt: int, nt: int, u: int, xl: int, cs: bool, nw: int, kw: int = 0):
     """Device function ``bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)``: the block's pass of
     :func:`warp_mm` (same rows, xrows, acc) over all of K, its nw warps in nw / kw row groups (each warp passes its
     group's rows) of kw warps splitting K (``k_groups``; kw = 0: one group of nw): each warp's acc, from zero, into
     sm[warp, :, lane] (float32 [nw, 4 rt nt, 32] shared), then a ``cuda.syncthreads()`` (:func:`block_total` then
     sums a position over a group's warps). Row groups share the token tile's x through L1, a K split adds warps
     where a grid has few blocks."""
-    key = ("block", rt, nt, u, perm, cs, nw, kw)
+    key = ("block", rt, nt, u, xl, cs, nw, kw)
     if key in _CACHE:
         return _CACHE[key]
     KW = kw or nw
     assert nw % KW == 0, (nw, kw)
     NA = 4 * rt * nt
-    mm = warp_mm(rt, nt, u, perm, cs)
+    mm = warp_mm(rt, nt, u, xl, cs)
 
     def bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane):
         for i in range(NA):
@@ -279,19 +333,23 @@ def block_total(sm, i, lane, w0, kw):
 block_total = _device(block_total)
 
 
-def gemm_kernel(rt: int, nt: int, u: int, nw: int, perm: bool = False, kw: int = 0):
+def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int = 0, heads: bool = False):
     """``y[M, N] (+)= X[M, K] W[e, N, K]^T`` (kdt.kernels.linear's tensor-core path; the warp tile's test). Block
     (bx, by): tokens [8 nt bx, 8 nt (bx + 1)) x rows [R by, R (by + 1)), R = 16 rt nw / kw (the token tiles of a
     row tile are neighbours in the grid, so they meet its weights in L2); its nw warps in row groups of kw warps
     that split K (:func:`block_mm`; kw = 0: kw = nw, one group), their sums added in warp order through shared
-    memory. Signature: (X f32 [M, K], W u64 [E, N, Kw], e, y f32 [M, N], accumulate)."""
-    key = ("gemm", rt, nt, u, nw, perm, kw)
+    memory. Signature: (X [M, K] in layout ``xl``, W u64 [E, N, Kw], e, y f32 [M, N], accumulate).
+
+    ``heads``: one such GEMM a head h = blockIdx.z of H = gridDim.z, on the last N of each head's W.shape[1] / H
+    rows (kdt.kernels.mla.uv_project: W_uv[h], the last dv of kv_b's dn + dv rows of head h), X row m H + h (o_lat
+    [M, H, K] flattened) and y columns [h N, (h + 1) N) of y [M, H N]; e and accumulate are not read (W [1, ...])."""
+    key = ("gemm", rt, nt, u, nw, xl, kw, heads)
     if key in _CACHE:
         return _CACHE[key]
     KW = kw or nw
-    RT, NT, NW, NA, NB, NRG = rt, nt, nw, rt * nt * 4, 2 * rt, nw // KW
+    RT, NT, NW, NA, NB, NRG, HEADS = rt, nt, nw, rt * nt * 4, 2 * rt, nw // KW, heads
     FRAG = frag_shape(nw)
-    bmm = block_mm(rt, nt, u, perm, False, nw, kw)
+    bmm = block_mm(rt, nt, u, xl, False, nw, kw)
 
     def tc_gemm(X, W, e, y, accumulate):
         grid_dependency_wait()
@@ -303,29 +361,36 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, perm: bool = False, kw: int =
         acc = cuda.local.array(NA, float32)
         rows = cuda.local.array(NB, int64)
         xrows = cuda.local.array(NT, int64)
-        M, N = y.shape[0], y.shape[1]
+        H = cuda.gridDim.z if HEADS else 1
+        h = cuda.blockIdx.z if HEADS else 0
+        M, N = X.shape[0] // H, y.shape[1] // H
         m0 = cuda.blockIdx.x * 8 * NT
         r0 = cuda.blockIdx.y * MMA_ROWS * RT * NRG
         tile_rows(rows, r0 + (warp // KW) * MMA_ROWS * RT, N, g, RT)
+        if HEADS:  # head h's rows of W
+            for i in range(NB):
+                rows[i] += (h + 1) * (W.shape[1] // H) - N
         for j in range(NT):
-            xrows[j] = min(m0 + 8 * j + g, M - 1)
-        bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
+            xrows[j] = min(m0 + 8 * j + g, M - 1) * H + h
+        bmm(W, 0 if HEADS else e, rows, X, xrows, acc, sm, frag, warp, lane)
         for ix in range(warp, NA * NRG, NW):
             q, i = ix // NA, ix % NA
             row = r0 + q * MMA_ROWS * RT + acc_row(i, NT, g)
             m = m0 + acc_col(i, NT, t)
             if row < N and m < M:
                 v = block_total(sm, i, lane, q * KW, KW)
-                y[m, row] = y[m, row] + v if accumulate else v
+                c = h * N + row
+                y[m, c] = y[m, c] + v if accumulate and not HEADS else v
 
-    tc_gemm.__name__ = f"tc_gemm_rt{rt}_nt{nt}_u{u}_nw{nw}{'_perm' if perm else ''}{f'_kw{kw}' if kw else ''}"
+    tc_gemm.__name__ = (f"tc_gemm_rt{rt}_nt{nt}_u{u}_nw{nw}{XL_NAMES[xl]}{f'_kw{kw}' if kw else ''}"
+                        f"{'_heads' if heads else ''}")
     k = cuda.jit(tc_gemm)
     _CACHE[key] = k
     return k
 
 
 __all__ = ["mma_bf16", "split_bf16x2", "warp_mm", "block_mm", "block_total", "tile_rows", "acc_row", "acc_col",
-           "gemm_kernel", "frag_shape"]
+           "gemm_kernel", "frag_shape", "put_hilo", "hilo_np", "XL_NATURAL", "XL_PERM", "XL_HILO"]
 
 
 def _register() -> None:
@@ -336,8 +401,9 @@ def _register() -> None:
 
     from kdt.kernels.common import register_ptx
 
-    for shape in ((2, 1, 4, 4, True), (1, 2, 2, 4, False), (2, 4, 2, 4, False, 1)):
-        register_ptx(gemm_kernel(*shape), (f32[:, ::1], u64[:, :, ::1], i64, f32[:, ::1], boolean))
+    for shape in ((2, 1, 4, 4, XL_PERM), (1, 2, 2, 4, XL_NATURAL), (2, 4, 2, 4, XL_NATURAL, 1), (2, 4, 2, 4, XL_HILO)):
+        x = u64[:, ::1] if shape[4] == XL_HILO else f32[:, ::1]
+        register_ptx(gemm_kernel(*shape), (x, u64[:, :, ::1], i64, f32[:, ::1], boolean))
 
 
 _register()

@@ -14,6 +14,7 @@ equals greedy AR output for any drafter (the invariant).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -92,6 +93,9 @@ class GenResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     host_s: float | None = None  # device-program steps: decode_s less the wait for the GPU (drafting included)
+    # ... and its parts in seconds: "draft" (a host drafter's), "launch" (the step programs' launches and host draft
+    # uploads), "gc" (Python's garbage collections during the decode, wherever they fell); the rest is bookkeeping
+    host_parts: dict[str, float] | None = None
 
     @property
     def avg_accept(self) -> float:
@@ -182,7 +186,8 @@ def generate(
         fused = ops.device_step(drafter if budget > 0 else None)
     if fused is not None:
         fused.start(L, root)
-        wait0 = fused.wait_s
+        wait0, launch0 = fused.wait_s, fused.launch_s
+        draft_s, gc0 = 0.0, _GC.seconds
     t0 = time.perf_counter()
     done = max_new <= 0 or emit([root], last[None, :])
     while not done:
@@ -196,7 +201,9 @@ def generate(
             if not fused.in_flight:
                 draft = None
                 if step_budget > 0 and not fused.drafts_on_device:
+                    t1 = time.perf_counter()
                     draft = drafter.draft(seq[: P + len(res.tokens)], depth, k)
+                    draft_s += time.perf_counter() - t1
                 fused.launch(step_budget, depth, k, draft)
             # the next step goes in before this one's tokens are read (it needs nothing from the host), unless
             # this step may end the generation (max_new) or bring the next one's budget down (the context)
@@ -236,8 +243,27 @@ def generate(
     res.decode_s = time.perf_counter() - t0
     if fused is not None:  # everything but the GPU's own time: drafting, launches, copies, bookkeeping
         res.host_s = res.decode_s - (fused.wait_s - wait0)
+        res.host_parts = {"draft": draft_s, "launch": fused.launch_s - launch0, "gc": _GC.seconds - gc0}
         fused.finish(L)
     return res
+
+
+class _GcClock:
+    """``seconds``: the time this process has spent in Python's garbage collections since the import (one
+    gc.callbacks entry; the decode's host work counts the collections that fell inside it)."""
+
+    def __init__(self):
+        self.seconds, self._t = 0.0, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+
+
+_GC = _GcClock()
 
 
 def ar_generate(target: Target, prompt: Sequence[int], max_new: int, **kw) -> GenResult:
