@@ -80,8 +80,10 @@ def sweep_variants(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tile
 
 def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
     r = dataclasses.replace
-    if t.tc:  # tensor cores: token tiles a pass, words in flight, kernel C's (and the shared down's) row tiles
+    if t.tc:  # tensor cores: token tiles a pass (hi / lo x or float32), words in flight, the down's row tiles
         return [(f"tc{n}", r(t, tc=n)) for n in (1, 2, 4) if n != t.tc] + [
+            (f"tc{n}_{'f32_x' if t.tc_hilo else 'hilo'}", r(t, tc=n, tc_hilo=not t.tc_hilo)) for n in (2, 4)
+            if n != t.tc] + [
             ("tc_words4", r(t, u=4, u_c=4)), ("tc_words1", r(t, u=1, u_c=1)), ("tc_rows1", r(t, tc_rt=1)),
             ("tc_rows4", r(t, tc_rt=4))]
     if M <= 1:
