@@ -534,8 +534,8 @@ def code_cfg(**kw):
 @pytest.mark.parametrize("M", [3, 9])
 def test_uv_project_tc(rng, monkeypatch, M):
     """W_uv on tensor cores (kdt.kernels.tc.gemm_kernel a head, uv_uses_tc), against float64 on the rounded weights: 3
-    heads, dv = 20 (the block's second row tile partly past dv), Rkv = 24 (6 weight words: the last of the 4 warps
-    splitting them has none), 8-token tiles (the second partial at M = 9)."""
+    heads, dv = 20 (the block's second row tile partly past dv), Rkv = 24 (6 weight words: the last two of the 4 warps
+    splitting them have none), 8-token tiles (the second partial at M = 9)."""
     monkeypatch.setattr(mla, "UV_TC_MIN_M", 1)
     monkeypatch.setattr(mla, "UV_ROW_PER_WARP_ELEMS", 0)
     cfg = micro_cfg(num_attention_heads=3, kv_lora_rank=24, v_head_dim=20)
