@@ -334,9 +334,9 @@ def compile_parts(bc: BenchConfig) -> list[BenchConfig]:
     each verify (n, L) in its own (s28b, Moonlight: the prefills and decode as one job took 195 s of the 199); one
     repeat each."""
     fast = dict(repeats=1, bandwidth_bytes=1 << 20)
-    none = dict(tree_sizes=(), tree_prefixes=(), **fast)
-    parts = [replace(bc, prefill_sizes=(), decode_tokens=2 * bc.block_size, **none)]
-    parts += [replace(bc, prefill_sizes=(P,), decode_tokens=0, **none) for P in bc.prefill_sizes]
+    no_trees = dict(tree_sizes=(), tree_prefixes=(), **fast)
+    parts = [replace(bc, prefill_sizes=(), decode_tokens=2 * bc.block_size, **no_trees)]
+    parts += [replace(bc, prefill_sizes=(P,), decode_tokens=0, **no_trees) for P in bc.prefill_sizes]
     return parts + [replace(bc, prefill_sizes=(), decode_tokens=0, tree_prefixes=(Lp,), tree_sizes=(n,), **fast)
                     for Lp in bc.tree_prefixes for n in bc.tree_sizes]
 

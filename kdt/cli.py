@@ -456,6 +456,8 @@ def bench(
 
     if model is not None and preset is not None:
         fail("give --model or --preset, not both")
+    if compile_jobs < 0:
+        fail("--compile-jobs must be >= 0")
     be = resolve_backend(backend)
     bc = B.BenchConfig.quick() if quick else B.BenchConfig()
     if budget:
@@ -483,8 +485,6 @@ def bench(
                   bc.prompt_len + 2 * bc.decode_tokens + bc.budget + 64)
     err.print(f"backend: {describe_backend(be, dtype)}; {source}; max_len {max_len}", highlight=False)
     max_tokens = max(256, max(bc.prefill_sizes), bc.budget + 1)  # the largest prefill: no chunking while timed
-    if compile_jobs < 0:
-        fail("--compile-jobs must be >= 0")
     if compile_jobs > 1 and be == "cuda":
         with err.status(f"compiling the kernels in {compile_jobs} processes..."):
             B.precompile(cfg, be, dtype, max_len, max_tokens, bc, compile_jobs,

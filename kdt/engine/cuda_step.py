@@ -172,15 +172,16 @@ STEP_AHEAD = os.environ.get("KDT_STEP_AHEAD", "1") != "0"
 SPIN_WAIT = os.environ.get("KDT_STEP_WAIT", "spin") != "block"
 
 
-def wait_for(event, spin: bool = SPIN_WAIT) -> None:
+def wait_for(event, spin: bool = SPIN_WAIT, query=None) -> None:
     """Until the work before ``event`` is done: a loop of queries with ``spin`` (the simulator's events have no
-    query: they are always done), else the event's blocking synchronize."""
-    if spin and hasattr(event, "query"):
-        query = _query(event)
+    query: they are always done), else the event's blocking synchronize. ``query``: the event's poll, made once
+    by :func:`_query` (StepGraph keeps one an event), else made here."""
+    query = (query or _query(event)) if spin else None
+    if query is None:
+        event.synchronize()
+    else:
         while not query():
             pass
-    else:
-        event.synchronize()
 
 
 try:
@@ -192,7 +193,9 @@ except ImportError:  # (numba-cuda's ctypes binding, or none)
 def _query(event):
     """``event.query`` without an exception a call: numba-cuda's Event.query formats an error message and raises
     and catches a CudaAPIError at every not-ready answer (thousands in a 30 ms step); this asks cuEventQuery of the
-    CUDA binding and compares its result code."""
+    CUDA binding and compares its result code. None for an event without query (the simulator's)."""
+    if not hasattr(event, "query"):
+        return None
     h = getattr(event, "handle", None)
     if _cu is None or not isinstance(h, _cu.CUevent):
         return event.query
@@ -227,6 +230,7 @@ class StepGraph:
         self.record = cuda.mapped_array((2, 1 + n), np.int64)
         self.seq = cuda.to_device(np.zeros(1, np.int64))
         self.done = [cuda.event() if IS_SIM else cuda.event(timing=False) for _ in range(2)]
+        self.polls = [_query(e) for e in self.done]  # their queries for wait_for, made once
         self.launched = 0  # steps launched since start() (or a discard); the device's seq counts the same
         # launched, not yet read, oldest first: (count, drafted on the device, pending_ctx before it)
         self.in_flight: list[tuple[int, bool, bool]] = []
@@ -308,7 +312,7 @@ class StepGraph:
         """The tokens committed by the oldest step in flight (waits for it: the steps' only synchronisation)."""
         i = self.in_flight.pop(0)[0]
         t1 = time.perf_counter()
-        wait_for(self.done[i & 1])
+        wait_for(self.done[i & 1], query=self.polls[i & 1])
         self.wait_s += time.perf_counter() - t1
         row = self.record[i & 1]
         n = int(row[0])

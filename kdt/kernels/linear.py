@@ -814,7 +814,7 @@ def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int,
     if M == 0 or N == 0:
         return
     rt, nt, u, nw, kw = plan or tc_plan(M, N)
-    kern = tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO if hilo else tc.XL_NATURAL, 0 if kw == nw else kw)
+    kern = tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO if hilo else tc.XL_NATURAL, kw)
     rows = 16 * rt * (nw // kw)
     kern[(cdiv(M, 8 * nt), cdiv(N, rows)), nw * WARP, stream](x, W.view(np.uint64).reshape(1, N, K // 4), 0, y,
                                                               bool(accumulate))
@@ -1017,8 +1017,7 @@ def _register() -> None:
     # the tensor-core plans of tc_plan (kdt.kernels.tc registers the gemm's test plans)
     for rt, nt, u, nw, kw in sorted({tc_plan(M, N) for M in (16, 24, 64) for N in (576, 163840)}):
         for xl, xt in ((tc.XL_NATURAL, x2), (tc.XL_HILO, uint64[:, ::1])):
-            register_ptx(tc.gemm_kernel(rt, nt, u, nw, xl, 0 if kw == nw else kw), (xt, uint64[:, :, ::1], int64, x2,
-                                                                                     boolean))
+            register_ptx(tc.gemm_kernel(rt, nt, u, nw, xl, kw), (xt, uint64[:, :, ::1], int64, x2, boolean))
 
 
 _register()

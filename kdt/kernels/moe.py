@@ -1063,7 +1063,7 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     mm_s = _v2_mm(EPWS, NRS, TTS, u_s, False, 1, cs_s)
     red_s = _v2_reduce(NRS, TTS)
     pick_s = _v2_pick(NRS, TTS)
-    TCS, TSPLIT, PASS, HILO = tc, tc_split, 8 * tc, bool(tc) and hilo
+    TCS, TSPLIT, PASS, HILO = tc, tc_split, 8 * tc, hilo
     gate_up_tc = _tc_gate_up(nw, tc, u_s, cs_s, False, XL_NATURAL, HILO) if tc else None
 
     def body(bid, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
@@ -1364,7 +1364,7 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
                 if p < end and o < I:
                     v = gs / (float32(1.0) + math.exp(-gs)) * us
                     if HILO:
-                        tc.put_hilo(h, p, o, v)
+                        _put_hilo(h, p, o, v)
                     else:
                         h[p, (o % 4) * Kwh + o // 4] = v
             cuda.syncthreads()
@@ -1424,7 +1424,7 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     SDF, RS, SPLIT, PASS = sd_first, TC_ROWS * rt, split, 8 * nt
-    xl = tc.XL_HILO if hilo else tc.XL_PERM
+    xl = XL_HILO if hilo else XL_PERM
     gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo)
     down = _tc_down(nw, rt, nt, u, cs_s, xl)
 
@@ -1737,6 +1737,10 @@ class V2Tiles:
     tc_split: bool = False
     tc_hilo: bool = False
 
+    def hilo(self, epw: int = 4) -> bool:
+        """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
+        return bool(self.tc) and self.tc_hilo and epw == 4
+
 
 # Kernel C takes one active expert per block (jc = 1) while its grid stays within about one wave of
 # the H200 (132 SMs x 8 blocks of 4 warps): a block then makes one pass over its rows, not jc passes in
@@ -1822,7 +1826,7 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     """Kernels A, B and C of launch shape t for weight words of epw elements (with ``t.ab``, A and B
     are also compiled into kernel AB, :func:`_v2_ab_kernel`)."""
     tcn = t.tc if epw == 4 else 0
-    split, hilo = bool(tcn) and t.tc_split, bool(tcn) and t.tc_hilo
+    split, hilo = bool(tcn) and t.tc_split, t.hilo(epw)
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo),
             _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo))
@@ -1852,7 +1856,7 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
     else:
         nsg = nsd = 0
         sgu, sdn = L._gu, L._dn  # never read (no blocks use them), nor is hs below
-    hilo = bool(t.tc) and t.tc_hilo
+    hilo = t.hilo()  # (t.tc is 0 unless the weights are bf16)
     hs = "h_shared" if has_shared else "b_perm"
 
     def x_out(name: str):  # a tensor-core GEMM input as its producer writes it (hi / lo: the uint16 view)
@@ -2399,8 +2403,7 @@ def _register() -> None:
     sigs_hilo = (put(sig_a, {4: h16, 6: h16}), put(sig_b, {0: h64, 2: h16, 8: h64}), put(sig_c, {0: h64}))
     for epw in (2, 4):
         for t in shapes:
-            hilo = bool(t.tc) and t.tc_hilo and epw == 4
-            kernels = list(zip(_v2_kernels(t, epw), sigs_hilo if hilo else (sig_a, sig_b, sig_c), strict=True))
+            kernels = list(zip(_v2_kernels(t, epw), sigs_hilo if t.hilo(epw) else (sig_a, sig_b, sig_c), strict=True))
             for kern, sig in kernels + ([(_v2_ab_kernel(t, epw), sig_ab)] if t.ab else []):
                 if id(kern) not in seen:  # the factories cache: one object per launch shape
                     seen.add(id(kern))

@@ -343,6 +343,7 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
     ``heads``: one such GEMM a head h = blockIdx.z of H = gridDim.z, on the last N of each head's W.shape[1] / H
     rows (kdt.kernels.mla.uv_project: W_uv[h], the last dv of kv_b's dn + dv rows of head h), X row m H + h (o_lat
     [M, H, K] flattened) and y columns [h N, (h + 1) N) of y [M, H N]; e and accumulate are not read (W [1, ...])."""
+    kw = 0 if kw == nw else kw  # (kw = nw is one group too: the same kernel)
     key = ("gemm", rt, nt, u, nw, xl, kw, heads)
     if key in _CACHE:
         return _CACHE[key]
