@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1171,7 +1171,25 @@ s29a)  # session 29, issue 7: kdt bench on the Moonlight shape with session 28's
   step moe_65 ${MOE_TIMEOUT:-100} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --sweep --jobs 4 \
     --only "v2,v2 tc2,v2 tc2_f32_x,v2 tc_f32_x" --json "$OUT/moe-$day-moonlight-s29a.json"
   grep -h "moonlight\|Error\|error" "$OUT/moe_65.log" | cut -c1-150 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a"; exit 2 ;;
+s29b)  # session 29, issue 7: the MoE layer at 128 / 192 tokens with 2 against 4 token tiles a pass (the new rule: 2 up
+  # to 128 tokens), each M's default launches as prefixes (--parts), and at the budget-64 verify's 65 tokens; then the
+  # gpu tests of the MoE (128 tokens: 2 tiles, experts past a pass) and of the engine (the MoE in chunks past version
+  # 2's pairs, graphs, the step's wait) beside kdt verify (tiny fp32, model_code bf16)
+  step moe_tiles ${MOE_TIMEOUT:-170} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 128,192 --sweep \
+    --parts --jobs 10 --only "v2,v2 tc2,v2 tc4,v2 tc2_f32_x,v2 tc4_hilo" --json "$OUT/moe-$day-moonlight-s29b.json"
+  step moe_65 ${MOE_TIMEOUT:-60} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --parts --only v2 \
+    --json "$OUT/moe-$day-moonlight-65-s29b.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_tiles.log" "$OUT/moe_65.log" | cut -c1-150
+  m=tests/test_kernels_moe.py::test_moe_forward_moonlight
+  tparts 230 moe "$m[128-bf16-2]" "$m[64-bf16-2]" "$m[256-bf16-2]" "$m[128-fp32-2]"
+  tparts 230 engine tests/test_engine_cuda.py -k "chunks or graph_replay or stop_token or invariant"
+  verify_beside_tparts 200 1 moe engine ;;
+s29c)  # session 29, issue 7: kdt bench on the Moonlight shape with s29b's code (the MoE in chunks past version 2's
+  # pairs: the prefill rows past 341 tokens; 2 token tiles a pass to 128 tokens), alone
+  step bench_moonlight ${BENCH_TIMEOUT:-480} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s29c.json"
+  tail -n 48 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

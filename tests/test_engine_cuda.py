@@ -86,6 +86,64 @@ def test_forward_prefill_chunks_and_tree_verify_match_reference(dtype, fused, rn
     assert rel_err(out, exp) < 1e-5
 
 
+def test_token_chunks_cover_m_with_the_fewest_near_equal_chunks():
+    from kdt.kernels import moe
+
+    per = moe.V2_MAX_PAIRS // 6
+    assert moe.token_chunks(per, 6) == [(0, per)]
+    assert moe.token_chunks(512, 6) == [(0, 256), (256, 256)]
+    for M, k in ((2048, 6), (per + 1, 6), (1, 8), (4097, 1), (10, 2048)):
+        ch = moe.token_chunks(M, k)
+        assert [j for j, _ in ch] == list(np.cumsum([0] + [m for _, m in ch[:-1]]))
+        assert sum(m for _, m in ch) == M and all(m * k <= max(moe.V2_MAX_PAIRS, k) for _, m in ch)
+        assert len(ch) == -(-M // max(1, moe.V2_MAX_PAIRS // k)) and max(m for _, m in ch) - min(m for _, m in ch) <= 1
+
+
+def check_moe_chunks(cfg, w, monkeypatch, small: bool, P: int, per: int, max_len: int = 40) -> None:
+    """A forward of P tokens with version 2 grouping ``per`` tokens a call (so the MoE runs in chunks) against the
+    reference, the drafter's features too, and the experts the bench counts equal to one chunk's (their union)."""
+    from kdt.kernels import moe
+
+    monkeypatch.setattr(moe, "SMALL", small)
+    k = cfg.num_experts_per_tok
+    layers = (0, cfg.num_hidden_layers - 1)
+    prompt = np.random.default_rng(P).integers(0, cfg.vocab_size, P)
+
+    def run():  # logits, features, distinct experts a MoE layer
+        cm = cuda_model(cfg, w, max_len=max_len, max_tokens=P)
+        cm.record_experts = []
+        out, hidden = cm.forward(prompt, np.arange(P), 0, causal_block(P), hidden_layers=layers)
+        return np.asarray(out), {i: np.asarray(h) for i, h in hidden.items()}, cm.record_experts
+
+    _, _, whole = run()  # one chunk
+    monkeypatch.setattr(moe, "V2_MAX_PAIRS", per * k)
+    assert len(moe.token_chunks(P, k)) == -(-P // per) > 1
+    out, hidden, chunked = run()
+    exp, ref_hidden = RefModel(cfg, w, max_len=max_len).forward(prompt, np.arange(P), 0, causal_block(P),
+                                                                 hidden_layers=layers)
+    assert rel_err(out, exp) < 1e-5
+    for i in layers:
+        assert rel_err(hidden[i], ref_hidden[i]) < 1e-5
+    assert chunked == whole and len(whole) > 0  # the union over the chunks, not the last chunk's
+
+
+@sim_only
+@pytest.mark.parametrize("small", [False, True])
+def test_forward_past_the_moe_pairs_runs_it_in_chunks(small, monkeypatch, rng):
+    """More tokens than version 2 groups (here 3 a call: 8 tokens as 3 + 3 + 2): the MoE a chunk at a time, each
+    chunk's rows of the residual and of the drafter's features its own (the small path too, where it applies)."""
+    check_moe_chunks(MICRO, random_weights(MICRO, int(rng.integers(1 << 30))), monkeypatch, small, P=8, per=3)
+
+
+@pytest.mark.gpu
+def test_forward_past_the_moe_pairs_runs_it_in_chunks_gpu(monkeypatch):
+    """The same on the tiny fixture: 40 tokens as 14 + 13 + 13 through version 2."""
+    from kdt.fixture import read_fixture
+
+    fx = read_fixture(str(FIXTURE))
+    check_moe_chunks(fx.config, fx.weights, monkeypatch, False, P=40, per=16, max_len=64)
+
+
 @sim_only
 def test_forward_without_q_lora_matches_reference(rng):
     """Models without q LoRA (Moonlight: one q_proj) run q_proj and kv_a_proj_with_mqa as one stacked

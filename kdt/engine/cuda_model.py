@@ -337,10 +337,15 @@ class DecoderStack:
             linear(b.o[:M], lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
             if lw.moe is not None:
                 ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s)
-                moe.moe_forward(a, lw.moe, b.moe, x, M=M, accumulate=True, stream=s, tee=feat)
+                chosen = set()
+                for j, m in moe.token_chunks(M, lw.moe.top_k):  # past version 2's pairs: version 2 a chunk
+                    moe.moe_forward(a[j: j + m], lw.moe, b.moe, x[j: j + m], M=m, accumulate=True, stream=s,
+                                    tee=None if feat is None else feat[j: j + m])
+                    if self.record_experts is not None:
+                        # from the routing every MoE path writes (the small path groups nothing: no n_active)
+                        chosen.update(np.unique(b.moe.topk_idx[:m].copy_to_host()).tolist())
                 if self.record_experts is not None:
-                    # from the routing every MoE path writes (the small path groups nothing: no n_active)
-                    self.record_experts.append(int(np.unique(b.moe.topk_idx[:M].copy_to_host()).size))
+                    self.record_experts.append(len(chosen))
             else:
                 moe.dense_mlp(x, lw.mlp_gate_up, lw.mlp_down, b.h, x, M=M, accumulate=True, stream=s,
                               norm=(lw.post_attention_layernorm, eps, a))

@@ -1305,8 +1305,8 @@ TC_ROWS = tc.MMA_ROWS
 # --sweep`, the Moonlight layer in us): M = 64: float32 x 657.4, hi / lo 713.9, hi / lo and one pass a block
 # 593.5; M = 256: 1691.5, 1349.3, 1017.0. s28b (`--previous`, the shared GEMMs one pass a block in each; float32 x /
 # hi / lo): M = 32 **483.6** / 508.4, M = 64 **571.4** / 594.6, M = 256 1450.8 / **1049.4** (all M tokens a block,
-# float32: 507.7, 657.3, 1783.5). So hi / lo x with 4 token tiles a pass (M > 64: ``_tc_tiles``), where a token
-# tile's x fragments serve 4x the mma; float32 x below. Env KDT_MOE_TC_HILO=0: never hi / lo; KDT_MOE_TC_SPLIT=0:
+# float32: 507.7, 657.3, 1783.5). So hi / lo x with 4 token tiles a pass (``_tc_tiles``), where a token tile's x
+# fragments serve 4x the mma; float32 x below. Env KDT_MOE_TC_HILO=0: never hi / lo; KDT_MOE_TC_SPLIT=0:
 # the shared GEMMs over all M tokens a block.
 TC_HILO = os.environ.get("KDT_MOE_TC_HILO", "1") != "0"
 TC_SPLIT = os.environ.get("KDT_MOE_TC_SPLIT", "1") != "0"
@@ -1788,8 +1788,11 @@ def uses_tc(M: int, top_k: int, E: int | None = None, D: int | None = None) -> b
 
 
 def _tc_tiles(M: int) -> int:
-    """Token tiles of 8 a pass of the tensor-core tiles at M tokens (s27a: 2 at M = 64, 4 at M = 256)."""
-    return 2 if M <= 64 else 4
+    """Token tiles of 8 a pass of the tensor-core tiles at M tokens. Measured on Moonlight's layer: s27a (float32 x,
+    1 / 2 / 4 tiles) M = 64 966 / **643** / 891 us, M = 256 3073 / 1939 / **1776**; s29a at the budget-64 verify's
+    M = 65: 4 tiles (hi / lo x) 622.3, 2 tiles **567.1** (float32 x; hi / lo 569.4). At ~6 tokens an expert a pass of
+    32 holds 4x the accumulators for nothing. Up to 128 tokens (12 an expert on average) 2 is the prediction."""
+    return 2 if M <= 128 else 4
 
 
 def _v2_tiles_by_m(M: int, top_k: int) -> V2Tiles:
@@ -2296,6 +2299,15 @@ def _v2_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
     """Version 2 runs this layer at M tokens (else version 1 does)."""
     return (M * L.top_k <= V2_MAX_PAIRS and S.counter is not None and S.tickets is not None
             and _fits_fused_kernels(L))
+
+
+def token_chunks(M: int, top_k: int) -> list[tuple[int, int]]:
+    """(first token, tokens) of the fewest near-equal chunks of M tokens whose pairs each fit ``V2_MAX_PAIRS``.
+    Each token's MoE is its own, so a forward of more tokens (a long prefill: 2048 tokens at Moonlight's k = 6)
+    runs version 2 once per chunk instead of version 1 once (the engine's loop, :meth:`CudaModel._layers`)."""
+    n = max(1, cdiv(M, max(1, V2_MAX_PAIRS // max(1, top_k))))
+    sizes = [M // n + (c < M % n) for c in range(n)]
+    return [(sum(sizes[:c]), m) for c, m in enumerate(sizes)]
 
 
 def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = None,
