@@ -1184,11 +1184,19 @@ s29b)  # session 29, issue 7: the MoE layer at 128 / 192 tokens with 2 against 4
   tparts 230 moe "$m[128-bf16-2]" "$m[64-bf16-2]" "$m[256-bf16-2]" "$m[128-fp32-2]"
   tparts 230 engine tests/test_engine_cuda.py -k "chunks or graph_replay or stop_token or invariant"
   verify_beside_tparts 200 1 moe engine ;;
-s29c)  # session 29, issue 7: kdt bench on the Moonlight shape with s29b's code (the MoE in chunks past version 2's
-  # pairs: the prefill rows past 341 tokens; 2 token tiles a pass to 128 tokens), alone
-  step bench_moonlight ${BENCH_TIMEOUT:-480} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+s29c)  # session 29, issue 7: kdt bench on the Moonlight shape with this session's code (the MoE in chunks past version
+  # 2's pairs: the prefill rows past 341 tokens; 2 token tiles a pass to 96 tokens, 4 past), alone; then the engine's
+  # gpu tests (the MoE in chunks, graphs, the step's wait: s29b's ran out of their 230 s beside kdt verify after their
+  # 4 dots, before pytest's summary) in two processes, each test's time
+  step bench_moonlight ${BENCH_TIMEOUT:-370} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s29c.json"
-  tail -n 48 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
+  tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160
+  e=tests/test_engine_cuda.py
+  tparts 190 engine $e -k "chunks or graph_replay or stop_token" --durations=0
+  tparts 190 invariant $e -k "invariant_200" --durations=0
+  wait
+  for n in engine invariant; do echo "pytest $n:"; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=\|s call" \
+    "$OUT/pytest_$n.log" | cut -c1-200; done ;;
 *) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"

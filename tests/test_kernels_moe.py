@@ -640,15 +640,15 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
         by_m = moe._v2_tiles_by_m(M, 2)
         assert (t.tt_s, t.cs_s) == ((2, False) if 2 < M <= 32 else (by_m.tt_s, by_m.cs_s)), M
     # tensor cores from 32 tokens (the default) and 3 tokens an expert (Moonlight: 64 experts, top-6, from 32;
-    # Kimi-K2: 384 experts, top-8, from 144), off with KDT_MOE_TC_M=0; 2 token tiles a pass to 128 tokens, then 4
+    # Kimi-K2: 384 experts, top-8, from 144), off with KDT_MOE_TC_M=0; 2 token tiles a pass to 96 tokens, then 4
     for name, tc_min, first in (("moonlight-16b-a3b", 32, 32), ("kimi-k2", 32, 144), ("moonlight-16b-a3b", 0, None)):
         monkeypatch.setattr(moe, "TC_MIN_M", tc_min)
         c = preset(name)
-        for M in (1, 8, 16, 17, 31, 32, 64, 128, 129, 143, 144, 256):
+        for M in (1, 8, 16, 17, 31, 32, 64, 96, 97, 143, 144, 256):
             k = c.num_experts_per_tok
             want = replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M)
             if first is not None and M >= first:  # tensor cores, kernel C one expert a block
-                want = replace(want, tc=2 if M <= 128 else 4, jc=1, tc_hilo=moe.TC_HILO and M > 128,
+                want = replace(want, tc=2 if M <= 96 else 4, jc=1, tc_hilo=moe.TC_HILO and M > 96,
                                tc_split=moe.TC_SPLIT)
             assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == want, (name, M)
             assert moe.v2_tiles(M, 2, 8, 256).tc == 0  # small models (model_code): the FMA tiles

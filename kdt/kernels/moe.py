@@ -1789,10 +1789,11 @@ def uses_tc(M: int, top_k: int, E: int | None = None, D: int | None = None) -> b
 
 def _tc_tiles(M: int) -> int:
     """Token tiles of 8 a pass of the tensor-core tiles at M tokens. Measured on Moonlight's layer: s27a (float32 x,
-    1 / 2 / 4 tiles) M = 64 966 / **643** / 891 us, M = 256 3073 / 1939 / **1776**; s29a at the budget-64 verify's
-    M = 65: 4 tiles (hi / lo x) 622.3, 2 tiles **567.1** (float32 x; hi / lo 569.4). At ~6 tokens an expert a pass of
-    32 holds 4x the accumulators for nothing. Up to 128 tokens (12 an expert on average) 2 is the prediction."""
-    return 2 if M <= 128 else 4
+    1 / 2 / 4 tiles) M = 64 966 / **643** / 891 us, M = 256 3073 / 1939 / **1776**; s29a / s29b (the defaults' x: hi /
+    lo with 4 tiles, float32 with 2): M = 65 622.3 / **558.6-567.1** (4 / 2 tiles), M = 128 **699.9** / 803.9, M = 192
+    **882.3** / 1149.1. At ~6 tokens an expert a pass of 32 holds 4x the accumulators for nothing; at 12, 16-token
+    passes read some experts twice. The boundary between 65 and 128 is not measured: 96 (9 an expert) is the guess."""
+    return 2 if M <= 96 else 4
 
 
 def _v2_tiles_by_m(M: int, top_k: int) -> V2Tiles:
