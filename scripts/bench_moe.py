@@ -55,7 +55,8 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
     if t.ab:  # session 24: kernels A and B in one launch (and its register cap)
         old.append(("A_B_apart", r(t, ab=False)))
         old += [(f"AB_regs{n}", r(t, ab_regs=n)) for n in (0, 80, 96) if n != t.ab_regs]
-    if t.tc:  # session 28: the GEMM inputs written hi / lo by their producers (4 token tiles), the shared GEMMs a pass a block
+    if t.tc:  # session 28: the GEMM inputs hi / lo from their producers (4 token tiles), the shared GEMMs a pass a
+        # block
         old += [("tc_hilo" if not t.tc_hilo else "tc_f32_x", r(t, tc_hilo=not t.tc_hilo)),
                 ("tc_all_tokens", r(t, tc_split=False)), ("tc_s27", r(t, tc_hilo=False, tc_split=False))]
     if t.tc:  # session 26: tensor cores at M >= TC_MIN_M; the FMA tiles as before
@@ -85,7 +86,7 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             (f"tc{n}_{'f32_x' if t.tc_hilo else 'hilo'}", r(t, tc=n, tc_hilo=not t.tc_hilo)) for n in (2, 4)
             if n != t.tc] + [
             ("tc_words4", r(t, u=4, u_c=4)), ("tc_words1", r(t, u=1, u_c=1)), ("tc_rows1", r(t, tc_rt=1)),
-            ("tc_rows4", r(t, tc_rt=4))]
+            ("tc_rows4", r(t, tc_rt=4))] + [(f"tc_kw{kw}", r(t, tc_kw=kw)) for kw in (1, 2) if kw != t.tc_kw]
     if M <= 1:
         return [("kernel_B_shared_last", r(t, sd_first=False)), ("rows8_words2", r(t, nr=8, u=2, nr_c=8, u_c=2)),
                 ("words2", r(t, u=2, u_c=2)), ("words8", r(t, u=8, u_c=8)), ("C_8warps", r(t, nw_c=8))]

@@ -43,7 +43,8 @@ C. the routed down: block = row tile of D x a chunk of active experts; the last 
 Activations that version 2 reads as GEMM inputs are stored word-permuted (one 128-byte wavefront per
 lane group instead of 4 strided loads per weight word), weights are loaded with the streaming cache
 hint, and the tiles (``V2Tiles``, chosen by :func:`v2_tiles` from M alone, so CUDA graphs capture it)
-are specialised for 1, <= 8, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1. Where
+are specialised for 1, <= 8, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1 (the engine runs
+such forwards as version 2 in chunks, :func:`token_chunks`). Where
 :func:`uses_tc` (from ``TC_MIN_M`` tokens and ``TC_MIN_LOAD`` tokens an expert; bf16 weights) the GEMMs of kernels
 A (shared gate_up), B and C run on tensor cores (kdt.kernels.tc; see "tensor cores" below); the router logits
 stay on FMA tiles.
@@ -1324,18 +1325,29 @@ def _tc_shared_block(sb, n, rows, M, split, pass_tokens):
     return (sb % nob) * rows, p0, min(M, p0 + pass_tokens)
 
 
-def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo: bool = False):
+def _tc_groups(nw: int, kw: int) -> int:
+    """Row groups of a block of nw warps whose groups of kw split K (kw = 0: one group), ``V2Tiles.tc_kw``."""
+    if kw and nw % kw:
+        raise ValueError(f"tc_kw={kw} does not divide a block's {nw} warps")
+    return nw // kw if kw else 1
+
+
+def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo: bool = False, kw: int = 0):
     """Device function ``gate_up(o0, W, e, X, start, end, rowsel, h)``: on tensor cores, for the tokens p in
     [start, end) (X row ``rowsel[p]`` with ``gather``, else p; X in layout ``xl``, kdt.kernels.tc), outputs [o0,
-    o0 + 16) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted (``hilo``: h is the uint16 view of
-    the hi / lo layout); nt x 8 tokens a pass, the block's nw warps splitting the input dimension. Every thread of
-    the block calls it (barriers)."""
-    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo)
+    o0 + 16 nw / kw) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted (``hilo``: h is the uint16
+    view of the hi / lo layout); nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 outputs, the
+    kw warps of a group splitting the input dimension (kw = 0: one group of nw). Every thread of the block calls it
+    (barriers)."""
+    kw = 0 if kw == nw else kw
+    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, NA, NP, GATHER, HILO = nw, nt, 2 * nt * 4, nt * 4, gather, hilo  # NP: gate (up) accumulators a lane
+    KW = kw or nw
+    NRG = nw // KW
     FRAG = tc.frag_shape(nw)
-    bmm = tc.block_mm(2, nt, u, xl, cs, nw)
+    bmm = tc.block_mm(2, nt, u, xl, cs, nw, kw)
 
     def gate_up(o0, W, e, X, start, end, rowsel, h):
         lane = cuda.threadIdx.x % WARP
@@ -1348,7 +1360,10 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
         xrows = cuda.local.array(NT, int64)
         I = W.shape[1] // 2
         Kwh = I // 4
-        tc.tile_rows(rows, o0, I, g, 1)  # the gate rows, then the matching up rows
+        if NRG == 1:
+            tc.tile_rows(rows, o0, I, g, 1)  # the gate rows, then the matching up rows
+        else:  # this warp's row group's 16 outputs
+            tc.tile_rows(rows, o0 + (warp // KW) * TC_ROWS, I, g, 1)
         rows[2] = rows[0] + I
         rows[3] = rows[1] + I
         for p0 in range(start, end, 8 * NT):
@@ -1356,11 +1371,12 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
                 p = min(p0 + 8 * jt + g, end - 1)
                 xrows[jt] = rowsel[p] if GATHER else p
             bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
-            for i in range(warp, NP, NW):  # (gate: row tile 0; up: row tile 1, the same position)
-                gs = tc.block_total(sm, i, lane, 0, NW)
-                us = tc.block_total(sm, NP + i, lane, 0, NW)
+            for ix in range(warp, NP * NRG, NW):  # (gate: row tile 0; up: row tile 1, the same position)
+                q, i = (0, ix) if NRG == 1 else (ix // NP, ix % NP)  # row group q, its accumulator i
+                gs = tc.block_total(sm, i, lane, q * KW, KW)
+                us = tc.block_total(sm, NP + i, lane, q * KW, KW)
                 p = p0 + tc.acc_col(i, NT, t)
-                o = o0 + tc.acc_row(i, NT, g)
+                o = o0 + q * TC_ROWS + tc.acc_row(i, NT, g)
                 if p < end and o < I:
                     v = gs / (float32(1.0) + math.exp(-gs)) * us
                     if HILO:
@@ -1374,17 +1390,20 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
     return gate_up
 
 
-def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int):
+def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0):
     """Device function ``down(d0, W, e, X, start, end, y)``: on tensor cores, y[p, d] = sum_i W[e, d, i] X[p, i]
-    for the rows d in [d0, d0 + 16 rt) of D = W.shape[1] and the tokens p in [start, end) (X in layout ``xl``,
-    kdt.kernels.tc), nt x 8 tokens a pass, the block's nw warps splitting I. Every thread of the block calls it
-    (barriers)."""
-    key = ("down tc", nw, rt, nt, u, cs, xl)
+    for the rows d in [d0, d0 + 16 rt nw / kw) of D = W.shape[1] and the tokens p in [start, end) (X in layout
+    ``xl``, kdt.kernels.tc), nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 rt rows, the kw
+    warps of a group splitting I (kw = 0: one group of nw). Every thread of the block calls it (barriers)."""
+    kw = 0 if kw == nw else kw
+    key = ("down tc", nw, rt, nt, u, cs, xl, kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, RT, NT, NA, NB = nw, rt, nt, rt * nt * 4, 2 * rt
+    KW = kw or nw
+    NRG = nw // KW
     FRAG = tc.frag_shape(nw)
-    bmm = tc.block_mm(rt, nt, u, xl, cs, nw)
+    bmm = tc.block_mm(rt, nt, u, xl, cs, nw, kw)
 
     def down(d0, W, e, X, start, end, y):
         lane = cuda.threadIdx.x % WARP
@@ -1396,16 +1415,20 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int):
         rows = cuda.local.array(NB, int64)
         xrows = cuda.local.array(NT, int64)
         D = W.shape[1]
-        tc.tile_rows(rows, d0, D, g, RT)
+        if NRG == 1:
+            tc.tile_rows(rows, d0, D, g, RT)
+        else:  # this warp's row group's 16 rt rows
+            tc.tile_rows(rows, d0 + (warp // KW) * TC_ROWS * RT, D, g, RT)
         for p0 in range(start, end, 8 * NT):
             for jt in range(NT):
                 xrows[jt] = min(p0 + 8 * jt + g, end - 1)
             bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
-            for i in range(warp, NA, NW):
+            for ix in range(warp, NA * NRG, NW):
+                q, i = (0, ix) if NRG == 1 else (ix // NA, ix % NA)  # row group q, its accumulator i
                 p = p0 + tc.acc_col(i, NT, t)
-                d = d0 + tc.acc_row(i, NT, g)
+                d = d0 + q * TC_ROWS * RT + tc.acc_row(i, NT, g)
                 if p < end and d < D:
-                    y[p, d] = tc.block_total(sm, i, lane, 0, NW)
+                    y[p, d] = tc.block_total(sm, i, lane, q * KW, KW)
             cuda.syncthreads()
 
     down = _device(down)
@@ -1414,18 +1437,19 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int):
 
 
 def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool, split: bool = False,
-                     hilo: bool = False):
+                     hilo: bool = False, kw: int = 0):
     """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
-    ntg, outputs [16 x, 16 x + 16) of I, x = rb % ntg; all the expert's tokens) and cdiv(D, 16 rt) shared-down
+    ntg, outputs [G x, G x + G) of I, x = rb % ntg, G = 16 nw / kw (``_tc_gate_up``'s row groups; kw = 0: G = 16);
+    all the expert's tokens) and cdiv(D, 16 rt) shared-down
     blocks (rows [16 rt sb, 16 rt (sb + 1)) of D, all M tokens; with ``split`` cdiv(M, 8 nt) times as many
     blocks, one pass of 8 nt tokens each), after the routed ones or, with ``sd_first``, before them. ``hilo``:
     b_perm, h and h_shared in the hi / lo layout (b_perm and h_shared read as uint64, h written as uint16)."""
-    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo)
+    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    SDF, RS, SPLIT, PASS = sd_first, TC_ROWS * rt, split, 8 * nt
+    SDF, RS, SPLIT, PASS, G = sd_first, TC_ROWS * rt, split, 8 * nt, TC_ROWS * _tc_groups(nw, kw)
     xl = XL_HILO if hilo else XL_PERM
-    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo)
+    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw)
     down = _tc_down(nw, rt, nt, u, cs_s, xl)
 
     def body(bid, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg,
@@ -1437,7 +1461,7 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
             if j < n_active[0]:
                 e = int64(active[j])
                 start = int64(offsets[e])
-                gate_up((rb % ntg) * TC_ROWS, wgu, e, b_perm, start, start + counts[e], sorted_rows, h)
+                gate_up((rb % ntg) * G, wgu, e, b_perm, start, start + counts[e], sorted_rows, h)
         else:
             d0, p0, p1 = _tc_shared_block(bid if SDF else bid - J * ntg, sdn.shape[1], RS, M, SPLIT, PASS)
             down(d0, sdn, 0, h_shared, p0, p1, y_shared)
@@ -1449,13 +1473,14 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
 
 def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
                        sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False,
-                       hilo: bool = False):
+                       hilo: bool = False, tc_kw: int = 0):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo)
+    tc_kw = 0 if tc_kw == nw else tc_kw
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if tc:
-        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo)
+        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw)
     else:
         body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
@@ -1466,7 +1491,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
 
     kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
                      f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
-                     f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}")
+                     f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1598,21 +1623,22 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
 
 
 def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: int = 0, tc_rt: int = 2,
-                    hilo: bool = False):
+                    hilo: bool = False, tc_kw: int = 0):
     """Kernel C. Block b = x * n_chunks + c: rows [x*R, x*R + R) of D (R = nw * nr, nr per warp) for
     the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
     expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
     tickets[x] back to 0 after) combines the tile for the M tokens in slot order (no float atomics):
     out[m, d] (+)= y_shared[m, d] + sum_slot topk_w[m, slot] * y[pos_of[m, slot], d], and with has_tee
     the same value into tee[m, d] (tee[>= M, D] f32; untouched without has_tee). ``tc`` (bf16 weights): the
-    routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt rows a block; with
-    ``hilo`` h is the uint64 view of the hi / lo layout."""
-    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo)
+    routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt nw / tc_kw rows a
+    block (its row groups; tc_kw = 0: 16 tc_rt); with ``hilo`` h is the uint64 view of the hi / lo layout."""
+    tc_kw = 0 if tc_kw == nw else tc_kw
+    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, EPW, NR, TT, TC = nw, nw * WARP, epw, nr, tt, tc
-    R = TC_ROWS * tc_rt if tc else nw * nr
-    down_tc = _tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM) if tc else None  # rows [x R, x R + R)
+    R = TC_ROWS * tc_rt * _tc_groups(nw, tc_kw) if tc else nw * nr
+    down_tc = _tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw) if tc else None  # rows [x R, x R + R)
     RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
     WB, NACC = u * NR, NR * TT
     mm = _v2_mm(EPW, NR, TT, u, True, 1, cs)
@@ -1687,7 +1713,7 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
             tickets[x] = 0
 
     kern.__name__ = (f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}"
-                     f"{f'_tc{tc}r{tc_rt}' if tc else ''}{'_hilo' if hilo else ''}")
+                     f"{f'_tc{tc}r{tc_rt}' if tc else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1713,7 +1739,11 @@ class V2Tiles:
     all M tokens (at M = 64, 4x the blocks: s27c's Nsight Compute had kernel A at 96 us with 432 blocks, ~7
     warps an SM, for ~6 us of bytes); tc_hilo: the tensor cores' GEMM inputs written in the hi / lo layout by their
     producers (kdt.kernels.tc.XL_HILO: kernel A writes b_perm and h_shared, B h), so the warp tile loads x fragments
-    instead of splitting float32. v2_tiles sets tc_split with tc, tc_hilo with 4 token tiles a pass (``TC_HILO``)."""
+    instead of splitting float32. v2_tiles sets tc_split with tc, tc_hilo with 4 token tiles a pass (``TC_HILO``);
+    tc_kw: the routed GEMMs on tensor cores (kernel B's gate_up, C's down) with their block's warps in row groups of
+    tc_kw warps splitting K, each group its own 16 (C: 16 tc_rt) rows (0: one group, all warps splitting K; it must
+    divide nw and nw_c). Each warp then streams nw / tc_kw times as much of K, and the block reduces over fewer warps
+    (session 29, not yet timed: kernel C at 65 tokens, 11 steps a warp, 41% of copy)."""
 
     nw: int = 4
     nr: int = 4
@@ -1736,6 +1766,7 @@ class V2Tiles:
     tc_rt: int = 2
     tc_split: bool = False
     tc_hilo: bool = False
+    tc_kw: int = 0
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -1792,8 +1823,12 @@ def _tc_tiles(M: int) -> int:
     1 / 2 / 4 tiles) M = 64 966 / **643** / 891 us, M = 256 3073 / 1939 / **1776**; s29a / s29b (the defaults' x: hi /
     lo with 4 tiles, float32 with 2): M = 65 622.3 / **558.6-567.1** (4 / 2 tiles), M = 128 **699.9** / 803.9, M = 192
     **882.3** / 1149.1. At ~6 tokens an expert a pass of 32 holds 4x the accumulators for nothing; at 12, 16-token
-    passes read some experts twice. The boundary between 65 and 128 is not measured: 96 (9 an expert) is the guess."""
-    return 2 if M <= 96 else 4
+    passes read some experts twice. The boundary between 65 and 128 is not measured: 96 (9 an expert) is the guess
+    (``TC2_MAX_M``, env KDT_MOE_TC2_M)."""
+    return 2 if M <= TC2_MAX_M else 4
+
+
+TC2_MAX_M = int(os.environ.get("KDT_MOE_TC2_M", "96"))  # 2 token tiles a tensor-core pass up to this M, then 4
 
 
 def _v2_tiles_by_m(M: int, top_k: int) -> V2Tiles:
@@ -1830,10 +1865,11 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     """Kernels A, B and C of launch shape t for weight words of epw elements (with ``t.ab``, A and B
     are also compiled into kernel AB, :func:`_v2_ab_kernel`)."""
     tcn = t.tc if epw == 4 else 0
-    split, hilo = bool(tcn) and t.tc_split, t.hilo(epw)
+    split, hilo, kw = bool(tcn) and t.tc_split, t.hilo(epw), t.tc_kw if tcn else 0
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
-            _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo),
-            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo))
+            _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
+                               kw),
+            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw))
 
 
 def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
@@ -1873,12 +1909,12 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         b, L._gate, L.bias, S.logits, x_out("b_perm"), sgu, x_out(hs), S.topk_idx, S.topk_w, S.counts, S.offsets,
         S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter, int(M), int(L.n_group),
         int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb)))
-    ntg = cdiv(I, TC_ROWS) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
+    ntg = cdiv(I, TC_ROWS * _tc_groups(t.nw, t.tc_kw)) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
     bb = V2Launch("B gate_up+shared_down", kb, J * ntg + nsd, t.nw * WARP, J * ntg, (
         x_in("b_perm"), L._gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts, S.sorted_rows, x_in(hs), sdn,
         S.y_shared, int(M), int(ntg), int(J)))
     n_chunks = cdiv(J, t.jc)
-    nc = cdiv(D, TC_ROWS * t.tc_rt if t.tc else t.nw_c * t.nr_c) * n_chunks
+    nc = cdiv(D, TC_ROWS * t.tc_rt * _tc_groups(t.nw_c, t.tc_kw) if t.tc else t.nw_c * t.nr_c) * n_chunks
     c = V2Launch("C down+combine", kc, nc, t.nw_c * WARP, nc, (
         x_in("h"), L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
         out if tee is None else tee,  # (never written without a tee)
@@ -2406,6 +2442,7 @@ def _register() -> None:
               + [replace(_v2_tiles_by_m(M, 8), ab=M <= AB_MAX_M) for M in (64, 256)]  # FMA tiles (KDT_MOE_TC_M=0)
               + [replace(v2_tiles(64, 8), tc_split=False)]  # the shared GEMMs over all M tokens a block
               + [replace(v2_tiles(64, 8), tc_hilo=True), replace(v2_tiles(256, 8), tc_hilo=False)]  # x the other way
+              + [replace(v2_tiles(M, 8), tc_kw=kw) for M in (64, 256) for kw in (1, 2)]  # row groups (tc_kw)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
