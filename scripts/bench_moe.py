@@ -55,8 +55,7 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
     if t.ab:  # session 24: kernels A and B in one launch (and its register cap)
         old.append(("A_B_apart", r(t, ab=False)))
         old += [(f"AB_regs{n}", r(t, ab_regs=n)) for n in (0, 80, 96) if n != t.ab_regs]
-    if t.tc:  # session 28: the GEMM inputs hi / lo from their producers (4 token tiles), the shared GEMMs a pass a
-        # block
+    if t.tc:  # session 28: x hi / lo from its producers (4 token tiles), the shared GEMMs one pass a block
         old += [("tc_hilo" if not t.tc_hilo else "tc_f32_x", r(t, tc_hilo=not t.tc_hilo)),
                 ("tc_all_tokens", r(t, tc_split=False)), ("tc_s27", r(t, tc_hilo=False, tc_split=False))]
     if t.tc:  # session 26: tensor cores at M >= TC_MIN_M; the FMA tiles as before

@@ -1171,7 +1171,7 @@ s29a)  # session 29, issue 7: kdt bench on the Moonlight shape with session 28's
   step moe_65 ${MOE_TIMEOUT:-100} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --sweep --jobs 4 \
     --only "v2,v2 tc2,v2 tc2_f32_x,v2 tc_f32_x" --json "$OUT/moe-$day-moonlight-s29a.json"
   grep -h "moonlight\|Error\|error" "$OUT/moe_65.log" | cut -c1-150 ;;
-s29b)  # session 29, issue 7: the MoE layer at 128 / 192 tokens with 2 against 4 token tiles a pass (the new rule: 2 up
+s29b)  # session 29, issue 7: the MoE layer at 128 / 192 tokens with 2 against 4 token tiles a pass (the rule then: 2 up
   # to 128 tokens), each M's default launches as prefixes (--parts), and at the budget-64 verify's 65 tokens; then the
   # gpu tests of the MoE (128 tokens: 2 tiles, experts past a pass) and of the engine (the MoE in chunks past version
   # 2's pairs, graphs, the step's wait) beside kdt verify (tiny fp32, model_code bf16)
@@ -1209,7 +1209,7 @@ s30a)  # session 30, issue 7: the MoE's routed GEMMs with their warps in row gro
     --jobs 6 --only "v2,v2 tc_kw1,v2 tc_kw2" --json "$OUT/moe-$day-moonlight-s30a.json"
   grep -h "moonlight\|Error\|error" "$OUT/moe_kw.log" | cut -c1-150
   for tiles in 96 64; do
-    step graphs_tc2m$tiles ${GRAPH_TIMEOUT:-180} env KDT_MOE_TC2_M=$tiles python3 scripts/profile_graphs.py \
+    step graphs_tc2m$tiles ${GRAPH_TIMEOUT:-200} env KDT_MOE_TC2_M=$tiles python3 scripts/profile_graphs.py \
       --preset moonlight-16b-a3b --budget 64 --drafter oracle --launches none \
       --json "$OUT/profile-graphs-$day-moonlight-tc2m$tiles-s30a.json"
     grep -h "step\|forward\|Error\|error" "$OUT/graphs_tc2m$tiles.log" | cut -c1-150

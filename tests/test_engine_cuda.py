@@ -101,7 +101,8 @@ def test_token_chunks_cover_m_with_the_fewest_near_equal_chunks():
 
 def check_moe_chunks(cfg, w, monkeypatch, small: bool, P: int, per: int, max_len: int = 40) -> None:
     """A forward of P tokens with version 2 grouping ``per`` tokens a call (so the MoE runs in chunks) against the
-    reference, the drafter's features too, and the experts the bench counts equal to one chunk's (their union)."""
+    reference, the drafter's features too, and the experts the bench counts equal to those of one call (the union
+    over the chunks)."""
     from kdt.kernels import moe
 
     monkeypatch.setattr(moe, "SMALL", small)

@@ -530,8 +530,8 @@ V2_SIM_TILES = {
 }
 # ... with the GEMM inputs in the hi / lo layout (kernel A writes b_perm and h_shared, B writes h: tc_hilo)
 V2_SIM_TILES.update({f"{name}_hilo": replace(V2_SIM_TILES[name], tc_hilo=True) for name in ("tc", "tc2", "tc_split")})
-# ... with the routed GEMMs' warps in row groups (tc_kw): each warp its own rows over all of K (kernel B 2 groups of 16
-# outputs past I = 12 in part and wholly; kernel C 2 / 3 groups), or groups of 2 warps in a block of 2 (one group)
+# ... with the routed GEMMs' warps in row groups (tc_kw): each warp its own rows over all of K (kernel B: 2 groups of 16
+# outputs, past I = 12 in part and wholly; kernel C: 2 / 3 groups)
 V2_SIM_TILES.update(tc_kw1=replace(V2_SIM_TILES["tc"], tc_kw=1), tc2_kw1=replace(V2_SIM_TILES["tc2"], tc_kw=1),
                     tc2_kw1_hilo=replace(V2_SIM_TILES["tc2"], tc_kw=1, tc_hilo=True))
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,

@@ -1440,10 +1440,10 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
                      hilo: bool = False, kw: int = 0):
     """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
     ntg, outputs [G x, G x + G) of I, x = rb % ntg, G = 16 nw / kw (``_tc_gate_up``'s row groups; kw = 0: G = 16);
-    all the expert's tokens) and cdiv(D, 16 rt) shared-down
-    blocks (rows [16 rt sb, 16 rt (sb + 1)) of D, all M tokens; with ``split`` cdiv(M, 8 nt) times as many
-    blocks, one pass of 8 nt tokens each), after the routed ones or, with ``sd_first``, before them. ``hilo``:
-    b_perm, h and h_shared in the hi / lo layout (b_perm and h_shared read as uint64, h written as uint16)."""
+    all the expert's tokens) and cdiv(D, 16 rt) shared-down blocks (rows [16 rt sb, 16 rt (sb + 1)) of D, all M
+    tokens; with ``split`` cdiv(M, 8 nt) times as many blocks, one pass of 8 nt tokens each), after the routed ones
+    or, with ``sd_first``, before them. ``hilo``: b_perm, h and h_shared in the hi / lo layout (b_perm and h_shared
+    read as uint64, h written as uint16)."""
     key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
@@ -1818,6 +1818,9 @@ def uses_tc(M: int, top_k: int, E: int | None = None, D: int | None = None) -> b
     return 0 < TC_MIN_M <= M and (E is None or M * top_k >= TC_MIN_LOAD * E) and (D is None or D > _SMALL_D)
 
 
+TC2_MAX_M = int(os.environ.get("KDT_MOE_TC2_M", "96"))  # 2 token tiles a tensor-core pass up to this M, then 4
+
+
 def _tc_tiles(M: int) -> int:
     """Token tiles of 8 a pass of the tensor-core tiles at M tokens. Measured on Moonlight's layer: s27a (float32 x,
     1 / 2 / 4 tiles) M = 64 966 / **643** / 891 us, M = 256 3073 / 1939 / **1776**; s29a / s29b (the defaults' x: hi /
@@ -1826,9 +1829,6 @@ def _tc_tiles(M: int) -> int:
     passes read some experts twice. The boundary between 65 and 128 is not measured: 96 (9 an expert) is the guess
     (``TC2_MAX_M``, env KDT_MOE_TC2_M)."""
     return 2 if M <= TC2_MAX_M else 4
-
-
-TC2_MAX_M = int(os.environ.get("KDT_MOE_TC2_M", "96"))  # 2 token tiles a tensor-core pass up to this M, then 4
 
 
 def _v2_tiles_by_m(M: int, top_k: int) -> V2Tiles:
@@ -2341,7 +2341,8 @@ def _v2_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
 def token_chunks(M: int, top_k: int) -> list[tuple[int, int]]:
     """(first token, tokens) of the fewest near-equal chunks of M tokens whose pairs each fit ``V2_MAX_PAIRS``.
     Each token's MoE is its own, so a forward of more tokens (a long prefill: 2048 tokens at Moonlight's k = 6)
-    runs version 2 once per chunk instead of version 1 once (the engine's loop, :meth:`CudaModel._layers`)."""
+    runs version 2 once per chunk instead of version 1 once (the engine's loop,
+    :meth:`kdt.engine.cuda_model.DecoderStack._layers`)."""
     n = max(1, cdiv(M, max(1, V2_MAX_PAIRS // max(1, top_k))))
     sizes = [M // n + (c < M % n) for c in range(n)]
     return [(sum(sizes[:c]), m) for c, m in enumerate(sizes)]
