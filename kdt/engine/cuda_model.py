@@ -316,6 +316,7 @@ class DecoderStack:
         positions = b.positions[:M]
         x, a = b.x[:M], b.a[:M]
         vis = b.vis[: M * M].reshape(M, M) if vis is None else vis
+        chunks = moe.token_chunks(M, cfg.num_experts_per_tok)  # past version 2's pairs: version 2 a chunk
         for i, lw in enumerate(self.layers):
             # a feature layer's output rows (the drafter's features) go to feat[j]: written by the MoE's
             # last launch (its tee), after a dense layer by a copy
@@ -338,7 +339,7 @@ class DecoderStack:
             if lw.moe is not None:
                 ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s)
                 chosen = set()
-                for j, m in moe.token_chunks(M, lw.moe.top_k):  # past version 2's pairs: version 2 a chunk
+                for j, m in chunks:
                     moe.moe_forward(a[j: j + m], lw.moe, b.moe, x[j: j + m], M=m, accumulate=True, stream=s,
                                     tee=None if feat is None else feat[j: j + m])
                     if self.record_experts is not None:

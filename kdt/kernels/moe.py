@@ -68,8 +68,9 @@ from kdt.kernels import tc
 from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, grid_dependency_wait, ldcg2, ldcs3, register_ptx
 from kdt.kernels.linear import linear
 
-# kdt.kernels.tc's names that kernels A and C reach past their parameter ``tc`` (the tensor cores' token tiles)
+# kdt.kernels.tc's names that kernels A, B and C reach past their parameter ``tc`` (the tensor cores' token tiles)
 _put_hilo, XL_NATURAL, XL_PERM, XL_HILO = tc.put_hilo, tc.XL_NATURAL, tc.XL_PERM, tc.XL_HILO
+_row_groups = tc.row_groups
 
 # ---- compile-time maxima --------------------------------------------------------------------------
 E_MAX = 512  # routed experts (Kimi K2: 384)
@@ -1325,13 +1326,6 @@ def _tc_shared_block(sb, n, rows, M, split, pass_tokens):
     return (sb % nob) * rows, p0, min(M, p0 + pass_tokens)
 
 
-def _tc_groups(nw: int, kw: int) -> int:
-    """Row groups of a block of nw warps whose groups of kw split K (kw = 0: one group), ``V2Tiles.tc_kw``."""
-    if kw and nw % kw:
-        raise ValueError(f"tc_kw={kw} does not divide a block's {nw} warps")
-    return nw // kw if kw else 1
-
-
 def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo: bool = False, kw: int = 0):
     """Device function ``gate_up(o0, W, e, X, start, end, rowsel, h)``: on tensor cores, for the tokens p in
     [start, end) (X row ``rowsel[p]`` with ``gather``, else p; X in layout ``xl``, kdt.kernels.tc), outputs [o0,
@@ -1339,13 +1333,11 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
     view of the hi / lo layout); nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 outputs, the
     kw warps of a group splitting the input dimension (kw = 0: one group of nw). Every thread of the block calls it
     (barriers)."""
-    kw = 0 if kw == nw else kw
+    kw, KW, NRG = _row_groups(nw, kw)
     key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, NA, NP, GATHER, HILO = nw, nt, 2 * nt * 4, nt * 4, gather, hilo  # NP: gate (up) accumulators a lane
-    KW = kw or nw
-    NRG = nw // KW
     FRAG = tc.frag_shape(nw)
     bmm = tc.block_mm(2, nt, u, xl, cs, nw, kw)
 
@@ -1395,13 +1387,11 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0):
     for the rows d in [d0, d0 + 16 rt nw / kw) of D = W.shape[1] and the tokens p in [start, end) (X in layout
     ``xl``, kdt.kernels.tc), nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 rt rows, the kw
     warps of a group splitting I (kw = 0: one group of nw). Every thread of the block calls it (barriers)."""
-    kw = 0 if kw == nw else kw
+    kw, KW, NRG = _row_groups(nw, kw)
     key = ("down tc", nw, rt, nt, u, cs, xl, kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, RT, NT, NA, NB = nw, rt, nt, rt * nt * 4, 2 * rt
-    KW = kw or nw
-    NRG = nw // KW
     FRAG = tc.frag_shape(nw)
     bmm = tc.block_mm(rt, nt, u, xl, cs, nw, kw)
 
@@ -1447,7 +1437,7 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
     key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    SDF, RS, SPLIT, PASS, G = sd_first, TC_ROWS * rt, split, 8 * nt, TC_ROWS * _tc_groups(nw, kw)
+    SDF, RS, SPLIT, PASS, G = sd_first, TC_ROWS * rt, split, 8 * nt, TC_ROWS * _row_groups(nw, kw)[2]
     xl = XL_HILO if hilo else XL_PERM
     gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw)
     down = _tc_down(nw, rt, nt, u, cs_s, xl)
@@ -1475,7 +1465,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
                        sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False,
                        hilo: bool = False, tc_kw: int = 0):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
-    tc_kw = 0 if tc_kw == nw else tc_kw
+    tc_kw = _row_groups(nw, tc_kw)[0]
     key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
@@ -1632,12 +1622,12 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
     the same value into tee[m, d] (tee[>= M, D] f32; untouched without has_tee). ``tc`` (bf16 weights): the
     routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt nw / tc_kw rows a
     block (its row groups; tc_kw = 0: 16 tc_rt); with ``hilo`` h is the uint64 view of the hi / lo layout."""
-    tc_kw = 0 if tc_kw == nw else tc_kw
+    tc_kw = _row_groups(nw, tc_kw)[0]
     key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, EPW, NR, TT, TC = nw, nw * WARP, epw, nr, tt, tc
-    R = TC_ROWS * tc_rt * _tc_groups(nw, tc_kw) if tc else nw * nr
+    R = TC_ROWS * tc_rt * _row_groups(nw, tc_kw)[2] if tc else nw * nr
     down_tc = _tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw) if tc else None  # rows [x R, x R + R)
     RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
     WB, NACC = u * NR, NR * TT
@@ -1909,12 +1899,12 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         b, L._gate, L.bias, S.logits, x_out("b_perm"), sgu, x_out(hs), S.topk_idx, S.topk_w, S.counts, S.offsets,
         S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter, int(M), int(L.n_group),
         int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb)))
-    ntg = cdiv(I, TC_ROWS * _tc_groups(t.nw, t.tc_kw)) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
+    ntg = cdiv(I, TC_ROWS * _row_groups(t.nw, t.tc_kw)[2]) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
     bb = V2Launch("B gate_up+shared_down", kb, J * ntg + nsd, t.nw * WARP, J * ntg, (
         x_in("b_perm"), L._gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts, S.sorted_rows, x_in(hs), sdn,
         S.y_shared, int(M), int(ntg), int(J)))
     n_chunks = cdiv(J, t.jc)
-    nc = cdiv(D, TC_ROWS * t.tc_rt * _tc_groups(t.nw_c, t.tc_kw) if t.tc else t.nw_c * t.nr_c) * n_chunks
+    nc = cdiv(D, TC_ROWS * t.tc_rt * _row_groups(t.nw_c, t.tc_kw)[2] if t.tc else t.nw_c * t.nr_c) * n_chunks
     c = V2Launch("C down+combine", kc, nc, t.nw_c * WARP, nc, (
         x_in("h"), L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
         out if tee is None else tee,  # (never written without a tee)

@@ -291,6 +291,15 @@ def acc_col(i, nt, t):
     return 8 * ((i // 4) % nt) + 2 * t + (i & 1)
 
 
+def row_groups(nw: int, kw: int) -> tuple[int, int, int]:
+    """(kw, KW, groups) of a block of nw warps in row groups of kw warps splitting K: kw as a cache key (0 for one
+    group: kw = 0 and kw = nw are the same plan), the warps a group KW and the nw / KW groups."""
+    KW = kw or nw
+    if nw % KW:
+        raise ValueError(f"row groups of {kw} warps do not divide a block's {nw} warps")
+    return (0 if KW == nw else KW), KW, nw // KW
+
+
 def block_mm(rt: int, nt: int, u: int, xl: int, cs: bool, nw: int, kw: int = 0):
     """Device function ``bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)``: the block's pass of
     :func:`warp_mm` (same rows, xrows, acc) over all of K, its nw warps in nw / kw row groups (each warp passes its
@@ -298,11 +307,10 @@ def block_mm(rt: int, nt: int, u: int, xl: int, cs: bool, nw: int, kw: int = 0):
     sm[warp, :, lane] (float32 [nw, 4 rt nt, 32] shared), then a ``cuda.syncthreads()`` (:func:`block_total` then
     sums a position over a group's warps). Row groups share the token tile's x through L1, a K split adds warps
     where a grid has few blocks."""
+    kw, KW, _ = row_groups(nw, kw)
     key = ("block", rt, nt, u, xl, cs, nw, kw)
     if key in _CACHE:
         return _CACHE[key]
-    KW = kw or nw
-    assert nw % KW == 0, (nw, kw)
     NA = 4 * rt * nt
     mm = warp_mm(rt, nt, u, xl, cs)
 
@@ -343,12 +351,11 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
     ``heads``: one such GEMM a head h = blockIdx.z of H = gridDim.z, on the last N of each head's W.shape[1] / H
     rows (kdt.kernels.mla.uv_project: W_uv[h], the last dv of kv_b's dn + dv rows of head h), X row m H + h (o_lat
     [M, H, K] flattened) and y columns [h N, (h + 1) N) of y [M, H N]; e and accumulate are not read (W [1, ...])."""
-    kw = 0 if kw == nw else kw  # (kw = nw is one group too: the same kernel)
+    kw, KW, NRG = row_groups(nw, kw)
     key = ("gemm", rt, nt, u, nw, xl, kw, heads)
     if key in _CACHE:
         return _CACHE[key]
-    KW = kw or nw
-    RT, NT, NW, NA, NB, NRG, HEADS = rt, nt, nw, rt * nt * 4, 2 * rt, nw // KW, heads
+    RT, NT, NW, NA, NB, HEADS = rt, nt, nw, rt * nt * 4, 2 * rt, heads
     FRAG = frag_shape(nw)
     bmm = block_mm(rt, nt, u, xl, False, nw, kw)
 
@@ -390,8 +397,8 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
     return k
 
 
-__all__ = ["mma_bf16", "split_bf16x2", "warp_mm", "block_mm", "block_total", "tile_rows", "acc_row", "acc_col",
-           "gemm_kernel", "frag_shape", "put_hilo", "hilo_np", "XL_NATURAL", "XL_PERM", "XL_HILO"]
+__all__ = ["mma_bf16", "split_bf16x2", "warp_mm", "row_groups", "block_mm", "block_total", "tile_rows", "acc_row",
+           "acc_col", "gemm_kernel", "frag_shape", "put_hilo", "hilo_np", "XL_NATURAL", "XL_PERM", "XL_HILO"]
 
 
 def _register() -> None:
