@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -72,14 +72,16 @@ table_before() {  # table_before BASE JSON: issue 8's table ($tbl) with the code
       train-drafter ../../fixtures/model_code.h5 --eval-only --backend cuda --dtype bf16 --budgets 16 --repeats 3 \
       --json "$outa/$2"; printf '%s\n' "${summary[-1]}" )
 }
-ncu_moe() {  # ncu_moe M_LIST: Nsight Compute on the Moonlight MoE layer's launches at these M, tensor cores (v2)
-  # against the FMA tiles (v2 fma): throughput, memory, warp stalls, pipes, occupancy (bench_moe --ncu: one profiled
-  # forward a variant, after the one that compiles); the log ncu_moe.log
+ncu_moe() {  # ncu_moe M_LIST [SWEEP_VARIANTS]: Nsight Compute on the Moonlight MoE layer's launches at these M,
+  # tensor cores (v2) against the FMA tiles (v2 fma), or against bench_moe --sweep's variants named (e.g. "v2 tc_st5"):
+  # throughput, memory, warp stalls, pipes, occupancy (bench_moe --ncu: one profiled forward a variant, after the one
+  # that compiles); the log ncu_moe.log
   local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -n 1)
   step ncu_moe ${NCU_TIMEOUT:-400} "$ncu" --clock-control none --profile-from-start off \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
     --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
-    python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M "$1" --previous --only "v2,v2 fma" --ncu
+    python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M "$1" $([ -n "$2" ] && echo --sweep || echo --previous) \
+    --only "v2,${2:-v2 fma}" --ncu
   grep -h "moe2_\|Duration\|Memory Throughput\|Compute (SM) Throughput\|DRAM Throughput\|Registers Per\|Achieved Occ\|profiled\|Error\|error" \
     "$OUT/ncu_moe.log" | cut -c1-150
 }
@@ -1214,7 +1216,30 @@ s30a)  # session 30, issue 7: the MoE's routed GEMMs with their warps in row gro
       --json "$OUT/profile-graphs-$day-moonlight-tc2m$tiles-s30a.json"
     grep -h "step\|forward\|Error\|error" "$OUT/graphs_tc2m$tiles.log" | cut -c1-150
   done ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a"; exit 2 ;;
+s30b)  # session 30, issue 7: the routed GEMMs' loads staged through shared memory by cp.async (V2Tiles.tc_st): the
+  # tensor-core GEMM and the Moonlight MoE's staged gpu tests beside kdt verify; then the MoE layer at 32 / 65 tokens:
+  # the default, its x hi / lo unstaged, staged with 2 / 3 stages, alone on the GPU
+  tparts 240 tc tests/test_kernels_tc.py -k gemm
+  tparts 240 staged tests/test_kernels_moe.py::test_moe_forward_moonlight_staged
+  verify_beside_tparts 150 1 tc staged
+  step moe_st ${MOE_TIMEOUT:-280} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 32,65 --sweep --parts \
+    --jobs 8 --only "v2,v2 tc_hilo,v2 tc_st2,v2 tc_st3" --json "$OUT/moe-$day-moonlight-s30b.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_st.log" | cut -c1-150 ;;
+s30c)  # session 30, issue 7: s30b with the stages' rings in the blocks' sums array (sm), so deeper pipelines fit in
+  # 48 KB: the staged gpu tests beside kdt verify; then the MoE layer at 65 tokens with 3 / 4 / 5 stages, alone
+  tparts 240 tc tests/test_kernels_tc.py -k gemm
+  tparts 240 staged tests/test_kernels_moe.py::test_moe_forward_moonlight_staged
+  verify_beside_tparts 150 1 tc staged
+  step moe_st ${MOE_TIMEOUT:-240} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --sweep --parts \
+    --jobs 8 --only "v2,v2 tc_hilo,v2 tc_st3,v2 tc_st4,v2 tc_st5" --json "$OUT/moe-$day-moonlight-s30c.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_st.log" | cut -c1-150 ;;
+s30d)  # session 30: s29d (the engine's gpu tests that ran out of their time beside other processes), then Nsight
+  # Compute on the MoE layer at 65 tokens, the default against 5 stages of staged loads (tc_st5)
+  step engine ${TEST_TIMEOUT:-190} python3 -m pytest -v -m gpu tests/test_engine_cuda.py \
+    -k "chunks or graph_replay or stop_token" -p no:cacheprovider -rf --durations=0
+  grep -h "PASSED\|FAILED\|ERROR\|passed\|failed\|s call" "$OUT/engine.log" | cut -c1-200
+  NCU_TIMEOUT=${NCU_TIMEOUT:-240} ncu_moe 65 "v2 tc_st5" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -534,6 +534,9 @@ V2_SIM_TILES.update({f"{name}_hilo": replace(V2_SIM_TILES[name], tc_hilo=True) f
 # outputs, past I = 12 in part and wholly; kernel C: 2 / 3 groups)
 V2_SIM_TILES.update(tc_kw1=replace(V2_SIM_TILES["tc"], tc_kw=1), tc2_kw1=replace(V2_SIM_TILES["tc2"], tc_kw=1),
                     tc2_kw1_hilo=replace(V2_SIM_TILES["tc2"], tc_kw=1, tc_hilo=True))
+# ... with the routed GEMMs' loads staged through shared memory (tc_st; their x hi / lo, D and I multiples of 8)
+V2_SIM_TILES.update(tc_st2=replace(V2_SIM_TILES["tc_hilo"], tc_st=2),
+                    tc2_st3=replace(V2_SIM_TILES["tc2_hilo"], tc_st=3))
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
 _V2_SKEW = dict(n_routed_experts=7, num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
@@ -565,6 +568,10 @@ V2_CASES = [
     (_V2_GROUPED, BF16, 17, True, False, "tc_kw1"),
     (dict(_V2_SKEW, hidden_size=36), BF16, 11, False, True, "tc2_kw1"),
     (dict(_V2_SKEW, hidden_size=36), BF16, 11, False, True, "tc2_kw1_hilo"),
+    # staged loads: D = 40, I = 24 / 16 (10, 6 / 4 words: kernel C's third warp wholly past I); D = 36: dropped
+    (dict(_V2_GROUPED, hidden_size=40, moe_intermediate_size=24), BF16, 17, True, False, "tc_st2"),
+    (dict(_V2_SKEW, hidden_size=40, moe_intermediate_size=16), BF16, 11, False, True, "tc2_st3"),
+    (dict(_V2_SKEW, hidden_size=36), BF16, 11, False, True, "tc2_st3"),
 ]
 
 
@@ -631,6 +638,19 @@ def test_v2_tiles_and_fallback():
     big = moe.V2_MAX_PAIRS // cfg.num_experts_per_tok + 1
     scratch = moe.MoEScratch.allocate(cfg, big)
     assert moe._v2_supported(layer, scratch, big - 1) and not moe._v2_supported(layer, scratch, big)
+
+
+def test_v2_staged_loads_need_k_multiple_of_8():
+    """tc_st stages kernels B's and C's routed GEMMs where their x is hi / lo and D and I are multiples of 8 (the
+    16-byte copies), else the launches drop it."""
+    staged = replace(V2_SIM_TILES["tc_hilo"], tc_st=2)
+    for D, I, st in ((40, 24, True), (36, 24, False), (40, 20, False)):
+        cfg = _cfg(**dict(_V2_GROUPED, hidden_size=D, moe_intermediate_size=I))
+        layer = moe.MoEWeights.from_hf(cfg, _layer_weights(np.random.default_rng(0), cfg), PREFIX, BF16)
+        scratch = moe.MoEScratch.allocate(cfg, 17)
+        for tiles, want in ((staged, st), (replace(staged, tc_hilo=False), False)):
+            names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, 17, False, tiles)]
+            assert [n.endswith("_st2") for n in names] == [False, want, want], (D, I, names)
 
 
 def test_v2_tiles_down_one_expert_rule(monkeypatch):
@@ -724,6 +744,28 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     assert err < bound
     if dtype == BF16:
         assert rel_err(got, cache["fp32_ref"](b.astype(np.float64))) < BF16_VS_FP32_BOUND
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,st", [(32, 3), (65, 4), (65, 5)])
+def test_moe_forward_moonlight_staged(rng, moonlight, M, st):
+    """Version 2 at Moonlight's shape, bf16, the routed GEMMs' loads staged through shared memory (tc_st, hi / lo
+    x), against float64."""
+    cfg, w, _ = moonlight
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
+    scratch = moe.MoEScratch.allocate(cfg, M)
+    tiles = replace(moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size), tc_hilo=True,
+                    tc_st=st)
+    names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, tiles)]
+    assert names[1].endswith(f"_st{st}") and names[2].endswith(f"_st{st}"), names
+    b = _draw_b(rng, cfg, w, M)
+    out = cuda.to_device(poisoned((M, cfg.hidden_size)))
+    moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, version=2, tiles=tiles)
+    err = rel_err(out.copy_to_host(), MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64)))
+    print(f"moonlight staged st={st} M={M}: rel_err {err:.2e}")
+    assert err < BF16_BOUND
+    _check_v2_state(cfg, b, w, scratch, M)
 
 
 @pytest.mark.kernels

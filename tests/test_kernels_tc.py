@@ -2,7 +2,7 @@
 
 The warp tile alone, through :func:`tc.gemm_kernel` (y = X W^T): natural, word-permuted and hi / lo X, 1-2 row tiles,
 1-2 token tiles, several warps splitting K with the last groups partly or wholly past it, warps in row groups
-(kw), ragged M and N. Bound:
+(kw), the loads staged through shared memory (st), ragged M and N. Bound:
 rel_err < 1e-5 against float64 on the bf16-rounded weights. A kernel that dropped the lo half of x (bf16 x) would
 be at ~1e-3, one that misplaced a fragment or a k group at ~1 (the split's own check below).
 """
@@ -20,7 +20,7 @@ from kdt.testing import poisoned, rel_err
 BOUND = 1e-5
 
 
-def _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=1, e=0, accumulate=False, kw=0):
+def _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=1, e=0, accumulate=False, kw=0, st=0):
     """Run the tile on fresh inputs (y poisoned); returns (rel_err, rel_err with bf16 x)."""
     W = (rng.standard_normal((E, N, K)) / np.sqrt(K)).astype(np.float32)
     bits = f32_to_bf16_bits(W)
@@ -30,7 +30,7 @@ def _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=1, e=0, accumulate=False, kw=0):
           tc.XL_HILO: tc.hilo_np(X)}[xl]
     y0 = rng.standard_normal((M, N)).astype(np.float32) if accumulate else poisoned((M, N))
     y = cuda.to_device(y0)
-    k = tc.gemm_kernel(rt, nt, u, nw, xl, kw)
+    k = tc.gemm_kernel(rt, nt, u, nw, xl, kw, st=st)
     grid = (-(-M // (8 * nt)), -(-N // (16 * rt * (nw // (kw or nw)))))
     k[grid, nw * 32](cuda.to_device(Xd), cuda.to_device(bits.view(np.uint64)), e, y, accumulate)
     got = y.copy_to_host()
@@ -40,40 +40,49 @@ def _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=1, e=0, accumulate=False, kw=0):
 
 
 NAT, PERM, HILO = tc.XL_NATURAL, tc.XL_PERM, tc.XL_HILO
-SIM_CASES = [  # M, N, K, rt, nt, u, nw, xl, kw
-    (5, 20, 40, 1, 1, 1, 1, NAT, 0),  # one warp, K = 10 words: a partial group
-    (9, 40, 72, 2, 2, 2, 2, PERM, 0),  # 2 x 2 tiles, permuted x, the second warp's groups partly past K
-    (17, 33, 24, 1, 2, 3, 3, NAT, 0),  # 3 warps over 2 groups: the last warp's group wholly past K
-    (9, 70, 40, 1, 2, 1, 4, PERM, 2),  # 2 row groups of 2 warps splitting K, the last block's rows partly past N
-    (7, 40, 24, 1, 1, 2, 3, NAT, 1),  # 3 row groups of one warp (no K split), the third wholly past N
-    (9, 40, 72, 2, 2, 2, 2, HILO, 0),  # hi / lo x: 2 x 2 tiles, 2 groups a step, the second warp's partly past K
-    (11, 36, 40, 1, 2, 3, 1, HILO, 0),  # hi / lo x, one warp: a full step of 3 groups, then 1 masked group
+SIM_CASES = [  # M, N, K, rt, nt, u, nw, xl, kw, st
+    (5, 20, 40, 1, 1, 1, 1, NAT, 0, 0),  # one warp, K = 10 words: a partial group
+    (9, 40, 72, 2, 2, 2, 2, PERM, 0, 0),  # 2 x 2 tiles, permuted x, the second warp's groups partly past K
+    (17, 33, 24, 1, 2, 3, 3, NAT, 0, 0),  # 3 warps over 2 groups: the last warp's group wholly past K
+    (9, 70, 40, 1, 2, 1, 4, PERM, 2, 0),  # 2 row groups of 2 warps splitting K, the last block's rows partly past N
+    (7, 40, 24, 1, 1, 2, 3, NAT, 1, 0),  # 3 row groups of one warp (no K split), the third wholly past N
+    (9, 40, 72, 2, 2, 2, 2, HILO, 0, 0),  # hi / lo x: 2 x 2 tiles, 2 groups a step, the second warp's partly past K
+    (11, 36, 40, 1, 2, 3, 1, HILO, 0, 0),  # hi / lo x, one warp: a full step of 3 groups, then 1 masked group
+    # staged through shared memory (st stages; K a multiple of 8)
+    (9, 40, 72, 2, 2, 2, 2, HILO, 0, 2),  # 2 x 2 tiles, 2 groups a step, the second warp's step partly past K
+    (7, 24, 200, 1, 1, 1, 2, HILO, 0, 3),  # 7 steps a warp: the ring of 3 wraps twice, one group past K
+    (11, 36, 40, 1, 2, 3, 1, NAT, 0, 3),  # float32 x, one step of 3 groups, its last 2 words past K
+    (17, 33, 24, 1, 2, 1, 3, HILO, 0, 4),  # the third warp wholly past K; fewer steps than the ring's 3 ahead
+    (9, 70, 40, 1, 2, 1, 4, NAT, 2, 2),  # 2 row groups of 2 warps, float32 x, the last block's rows partly past N
 ]
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("M,N,K,rt,nt,u,nw,xl,kw", SIM_CASES)
-def test_tc_gemm(rng, M, N, K, rt, nt, u, nw, xl, kw):
+@pytest.mark.parametrize("M,N,K,rt,nt,u,nw,xl,kw,st", SIM_CASES)
+def test_tc_gemm(rng, M, N, K, rt, nt, u, nw, xl, kw, st):
     if not IS_SIM:
         pytest.skip("simulator shapes (the GPU's are in test_tc_gemm_gpu)")
-    err, err_bf16_x = _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=2, e=1, accumulate=xl == PERM, kw=kw)
+    err, err_bf16_x = _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=2, e=1, accumulate=xl == PERM, kw=kw, st=st)
     assert err < BOUND, f"rel_err {err:.3g}"
     assert err_bf16_x > 10 * BOUND  # the bound tells a kernel without the lo half of x
 
 
 @pytest.mark.kernels
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K,rt,nt,u,nw,xl,kw", [
-    (64, 2816, 2048, 2, 1, 4, 4, PERM, 0),  # Moonlight's shared gate_up rows, 64 tokens
-    (6, 2048, 1408, 2, 1, 2, 4, PERM, 0),  # a routed down: ~6 tokens an expert
-    (256, 576, 2048, 1, 2, 2, 4, NAT, 0),  # kv_a's rows, 256 tokens
-    (33, 1000, 1004, 2, 2, 4, 3, NAT, 0),  # ragged everything
-    (64, 3000, 2048, 2, 4, 2, 4, NAT, 1),  # four row groups of one warp, the last block partly past N
-    (33, 1000, 1004, 2, 2, 4, 3, HILO, 0),  # hi / lo x, ragged everything
-    (64, 2816, 2048, 2, 4, 2, 4, HILO, 0),  # hi / lo x, the lm_head's plan at 64 tokens
+@pytest.mark.parametrize("M,N,K,rt,nt,u,nw,xl,kw,st", [
+    (64, 2816, 2048, 2, 1, 4, 4, PERM, 0, 0),  # Moonlight's shared gate_up rows, 64 tokens
+    (6, 2048, 1408, 2, 1, 2, 4, PERM, 0, 0),  # a routed down: ~6 tokens an expert
+    (256, 576, 2048, 1, 2, 2, 4, NAT, 0, 0),  # kv_a's rows, 256 tokens
+    (33, 1000, 1004, 2, 2, 4, 3, NAT, 0, 0),  # ragged everything
+    (64, 3000, 2048, 2, 4, 2, 4, NAT, 1, 0),  # four row groups of one warp, the last block partly past N
+    (33, 1000, 1004, 2, 2, 4, 3, HILO, 0, 0),  # hi / lo x, ragged everything
+    (64, 2816, 2048, 2, 4, 2, 4, HILO, 0, 0),  # hi / lo x, the lm_head's plan at 64 tokens
+    (16, 2816, 2048, 2, 2, 1, 4, HILO, 0, 4),  # staged: a routed gate_up's plan at 2 token tiles, 4 stages
+    (6, 2048, 1408, 2, 2, 1, 4, HILO, 0, 3),  # staged: a routed down, 3 stages
+    (33, 1000, 1008, 2, 2, 2, 3, NAT, 0, 3),  # staged, float32 x, ragged M and N
 ])
-def test_tc_gemm_gpu(rng, M, N, K, rt, nt, u, nw, xl, kw):
-    err, _ = _gemm(rng, M, N, K, rt, nt, u, nw, xl, accumulate=M == 33, kw=kw)
+def test_tc_gemm_gpu(rng, M, N, K, rt, nt, u, nw, xl, kw, st):
+    err, _ = _gemm(rng, M, N, K, rt, nt, u, nw, xl, accumulate=M == 33, kw=kw, st=st)
     assert err < BOUND, f"rel_err {err:.3g}"
 
 

@@ -226,6 +226,11 @@ if IS_SIM:
         """float32 -> its uint32 bit pattern (simulator path)."""
         return np.array([v], dtype=np.float32).view(np.uint32)[0]
 
+    @cuda.jit(device=True)
+    def f32_from_bits(u):
+        """Low 32 bits of an integer -> float32 with that bit pattern (simulator path)."""
+        return np.array([u], dtype=np.uint64).astype(np.uint32).view(np.float32)[0]
+
 else:
     from numba.cuda import libdevice
 
@@ -238,6 +243,11 @@ else:
     def f32_bits(v):
         """float32 -> its uint32 bit pattern."""
         return uint32(libdevice.float_as_int(v))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_from_bits(u):
+        """Low 32 bits of an integer -> float32 with that bit pattern."""
+        return libdevice.int_as_float(int32(u))
 
 
 @cuda.jit(device=True, inline=True)

@@ -1326,26 +1326,29 @@ def _tc_shared_block(sb, n, rows, M, split, pass_tokens):
     return (sb % nob) * rows, p0, min(M, p0 + pass_tokens)
 
 
-def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo: bool = False, kw: int = 0):
+def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo: bool = False, kw: int = 0,
+                st: int = 0):
     """Device function ``gate_up(o0, W, e, X, start, end, rowsel, h)``: on tensor cores, for the tokens p in
     [start, end) (X row ``rowsel[p]`` with ``gather``, else p; X in layout ``xl``, kdt.kernels.tc), outputs [o0,
     o0 + 16 nw / kw) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted (``hilo``: h is the uint16
     view of the hi / lo layout); nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 outputs, the
-    kw warps of a group splitting the input dimension (kw = 0: one group of nw). Every thread of the block calls it
+    kw warps of a group splitting the input dimension (kw = 0: one group of nw); st >= 2: the loads staged through
+    shared memory, st stages of one group (kdt.kernels.tc.warp_mm_staged). Every thread of the block calls it
     (barriers)."""
     kw, KW, NRG = _row_groups(nw, kw)
-    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw)
+    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw, st)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, NA, NP, GATHER, HILO = nw, nt, 2 * nt * 4, nt * 4, gather, hilo  # NP: gate (up) accumulators a lane
-    FRAG = tc.frag_shape(nw)
-    bmm = tc.block_mm(2, nt, u, xl, cs, nw, kw)
+    FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, 2, nt, st), tc.sm_dtype(st)
+    bmm = tc.block_mm(2, nt, 1 if st else u, xl, cs, nw, kw, st)
+    total = tc.block_total_fn(st)
 
     def gate_up(o0, W, e, X, start, end, rowsel, h):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         g, t = lane // 4, lane % 4
-        sm = cuda.shared.array((NW, NA, WARP), float32)
+        sm = cuda.shared.array(SM, SMT)
         frag = cuda.shared.array(FRAG, int64)
         acc = cuda.local.array(NA, float32)
         rows = cuda.local.array(4, int64)
@@ -1365,8 +1368,8 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
             bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
             for ix in range(warp, NP * NRG, NW):  # (gate: row tile 0; up: row tile 1, the same position)
                 q, i = (0, ix) if NRG == 1 else (ix // NP, ix % NP)  # row group q, its accumulator i
-                gs = tc.block_total(sm, i, lane, q * KW, KW)
-                us = tc.block_total(sm, NP + i, lane, q * KW, KW)
+                gs = total(sm, i, lane, q * KW, KW)
+                us = total(sm, NP + i, lane, q * KW, KW)
                 p = p0 + tc.acc_col(i, NT, t)
                 o = o0 + q * TC_ROWS + tc.acc_row(i, NT, g)
                 if p < end and o < I:
@@ -1382,24 +1385,26 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
     return gate_up
 
 
-def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0):
+def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, st: int = 0):
     """Device function ``down(d0, W, e, X, start, end, y)``: on tensor cores, y[p, d] = sum_i W[e, d, i] X[p, i]
     for the rows d in [d0, d0 + 16 rt nw / kw) of D = W.shape[1] and the tokens p in [start, end) (X in layout
     ``xl``, kdt.kernels.tc), nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 rt rows, the kw
-    warps of a group splitting I (kw = 0: one group of nw). Every thread of the block calls it (barriers)."""
+    warps of a group splitting I (kw = 0: one group of nw); st >= 2: the loads staged, as :func:`_tc_gate_up`.
+    Every thread of the block calls it (barriers)."""
     kw, KW, NRG = _row_groups(nw, kw)
-    key = ("down tc", nw, rt, nt, u, cs, xl, kw)
+    key = ("down tc", nw, rt, nt, u, cs, xl, kw, st)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, RT, NT, NA, NB = nw, rt, nt, rt * nt * 4, 2 * rt
-    FRAG = tc.frag_shape(nw)
-    bmm = tc.block_mm(rt, nt, u, xl, cs, nw, kw)
+    FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, rt, nt, st), tc.sm_dtype(st)
+    bmm = tc.block_mm(rt, nt, 1 if st else u, xl, cs, nw, kw, st)
+    total = tc.block_total_fn(st)
 
     def down(d0, W, e, X, start, end, y):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         g, t = lane // 4, lane % 4
-        sm = cuda.shared.array((NW, NA, WARP), float32)
+        sm = cuda.shared.array(SM, SMT)
         frag = cuda.shared.array(FRAG, int64)
         acc = cuda.local.array(NA, float32)
         rows = cuda.local.array(NB, int64)
@@ -1418,7 +1423,7 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0):
                 p = p0 + tc.acc_col(i, NT, t)
                 d = d0 + q * TC_ROWS * RT + tc.acc_row(i, NT, g)
                 if p < end and d < D:
-                    y[p, d] = tc.block_total(sm, i, lane, q * KW, KW)
+                    y[p, d] = total(sm, i, lane, q * KW, KW)
             cuda.syncthreads()
 
     down = _device(down)
@@ -1427,19 +1432,19 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0):
 
 
 def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool, split: bool = False,
-                     hilo: bool = False, kw: int = 0):
+                     hilo: bool = False, kw: int = 0, st: int = 0):
     """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
     ntg, outputs [G x, G x + G) of I, x = rb % ntg, G = 16 nw / kw (``_tc_gate_up``'s row groups; kw = 0: G = 16);
     all the expert's tokens) and cdiv(D, 16 rt) shared-down blocks (rows [16 rt sb, 16 rt (sb + 1)) of D, all M
     tokens; with ``split`` cdiv(M, 8 nt) times as many blocks, one pass of 8 nt tokens each), after the routed ones
     or, with ``sd_first``, before them. ``hilo``: b_perm, h and h_shared in the hi / lo layout (b_perm and h_shared
-    read as uint64, h written as uint16)."""
-    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw)
+    read as uint64, h written as uint16). st: the routed gate_up's loads staged (``_tc_gate_up``)."""
+    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw, st)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     SDF, RS, SPLIT, PASS, G = sd_first, TC_ROWS * rt, split, 8 * nt, TC_ROWS * _row_groups(nw, kw)[2]
     xl = XL_HILO if hilo else XL_PERM
-    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw)
+    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw, st)
     down = _tc_down(nw, rt, nt, u, cs_s, xl)
 
     def body(bid, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg,
@@ -1463,14 +1468,14 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
 
 def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
                        sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False,
-                       hilo: bool = False, tc_kw: int = 0):
+                       hilo: bool = False, tc_kw: int = 0, tc_st: int = 0):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw)
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if tc:
-        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw)
+        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw, tc_st)
     else:
         body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
@@ -1481,7 +1486,8 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
 
     kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
                      f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
-                     f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}")
+                     f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
+                     f"{f'_st{tc_st}' if tc_st else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1613,7 +1619,7 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
 
 
 def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: int = 0, tc_rt: int = 2,
-                    hilo: bool = False, tc_kw: int = 0):
+                    hilo: bool = False, tc_kw: int = 0, tc_st: int = 0):
     """Kernel C. Block b = x * n_chunks + c: rows [x*R, x*R + R) of D (R = nw * nr, nr per warp) for
     the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
     expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
@@ -1621,14 +1627,16 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
     out[m, d] (+)= y_shared[m, d] + sum_slot topk_w[m, slot] * y[pos_of[m, slot], d], and with has_tee
     the same value into tee[m, d] (tee[>= M, D] f32; untouched without has_tee). ``tc`` (bf16 weights): the
     routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt nw / tc_kw rows a
-    block (its row groups; tc_kw = 0: 16 tc_rt); with ``hilo`` h is the uint64 view of the hi / lo layout."""
+    block (its row groups; tc_kw = 0: 16 tc_rt); with ``hilo`` h is the uint64 view of the hi / lo layout; tc_st:
+    the routed down's loads staged (:func:`_tc_down`)."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw)
+    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, EPW, NR, TT, TC = nw, nw * WARP, epw, nr, tt, tc
     R = TC_ROWS * tc_rt * _row_groups(nw, tc_kw)[2] if tc else nw * nr
-    down_tc = _tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw) if tc else None  # rows [x R, x R + R)
+    down_tc = (_tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw, tc_st)  # rows [x R, x R + R)
+               if tc else None)
     RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
     WB, NACC = u * NR, NR * TT
     mm = _v2_mm(EPW, NR, TT, u, True, 1, cs)
@@ -1703,7 +1711,8 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
             tickets[x] = 0
 
     kern.__name__ = (f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}"
-                     f"{f'_tc{tc}r{tc_rt}' if tc else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}")
+                     f"{f'_tc{tc}r{tc_rt}' if tc else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
+                     f"{f'_st{tc_st}' if tc_st else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1733,7 +1742,12 @@ class V2Tiles:
     tc_kw: the routed GEMMs on tensor cores (kernel B's gate_up, C's down) with their block's warps in row groups of
     tc_kw warps splitting K, each group its own 16 (C: 16 tc_rt) rows (0: one group, all warps splitting K; it must
     divide nw and nw_c). Each warp then streams nw / tc_kw times as much of K, and the block reduces over fewer warps
-    (session 29, not yet timed: kernel C at 65 tokens, 11 steps a warp, 41% of copy)."""
+    (session 29; off: the Moonlight layer at 65 / 256 tokens 573 / 1021 us, tc_kw = 2 606 / 1166, tc_kw = 1 781 /
+    1382, session 30's s30a); tc_st: those routed GEMMs' loads staged through shared memory by cp.async, tc_st stages
+    of one 4-word group a warp (kdt.kernels.tc.warp_mm_staged; 0: off). It needs their x hi / lo (tc_hilo) and K a
+    multiple of 8 (D and I), else it is dropped. Off: s27c's Nsight Compute had kernels B and C half their time
+    waiting on loads, but at 65 tokens 2-5 stages (1-4 ahead) ran 602-677 us against 597 for the same hi / lo kernels
+    unstaged and 575 for the default (session 30's s30b / s30c): the loads' depth a warp is not what bounds them."""
 
     nw: int = 4
     nr: int = 4
@@ -1757,6 +1771,7 @@ class V2Tiles:
     tc_split: bool = False
     tc_hilo: bool = False
     tc_kw: int = 0
+    tc_st: int = 0
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -1856,10 +1871,11 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     are also compiled into kernel AB, :func:`_v2_ab_kernel`)."""
     tcn = t.tc if epw == 4 else 0
     split, hilo, kw = bool(tcn) and t.tc_split, t.hilo(epw), t.tc_kw if tcn else 0
+    st = t.tc_st if hilo else 0
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
-                               kw),
-            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw))
+                               kw, st),
+            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st))
 
 
 def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
@@ -1873,6 +1889,8 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         t = replace(t, ab=False)
     if t.tc and (L._epw != 4 or t.ab):  # tensor cores take bf16 weights (4 a word); not in kernel AB
         t = replace(t, tc=0)
+    if t.tc_st and (D % 8 or I % 8):  # staged loads copy 16-byte aligned pairs of words
+        t = replace(t, tc_st=0)
     ka, kb, kc = _v2_kernels(t, L._epw)
     J = min(E, M * k)
     has_shared = L._sgu is not None
@@ -2434,6 +2452,7 @@ def _register() -> None:
               + [replace(v2_tiles(64, 8), tc_split=False)]  # the shared GEMMs over all M tokens a block
               + [replace(v2_tiles(64, 8), tc_hilo=True), replace(v2_tiles(256, 8), tc_hilo=False)]  # x the other way
               + [replace(v2_tiles(M, 8), tc_kw=kw) for M in (64, 256) for kw in (1, 2)]  # row groups (tc_kw)
+              + [replace(v2_tiles(64, 8), tc_hilo=True, tc_st=st) for st in (2, 4)]  # staged loads (tc_st)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)

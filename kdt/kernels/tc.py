@@ -43,6 +43,8 @@ from kdt.kernels.common import (
     IS_SIM,
     bf16_bits_to_f32,
     bf16_to_f32,
+    f32_bits,
+    f32_from_bits,
     f32_to_bf16,
     f32_to_bf16_bits,
     grid_dependency_wait,
@@ -95,6 +97,7 @@ if IS_SIM:
 else:
     from llvmlite import ir as _ir
     from numba import types as _types
+    from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic as _intrinsic
 
     _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
@@ -121,6 +124,97 @@ else:
                     float32(c0), float32(c1), float32(c2), float32(c3))
 
 
+# ---- cp.async: global -> shared copies that hold no registers while in flight ------------------------------------
+# cp_async16(dst, di, src, si, n): the 16 bytes at src[si] (a tuple of indices; 16-byte aligned) to dst[di] (a shared
+# array), the last 16 - n of them zeros (n = 0 or 16: a masked copy reads nothing); cp_async_commit() closes this
+# thread's group of copies; cp_async_wait(n) (a factory: n is a literal of the PTX) waits until at most its n newest
+# groups are in flight. A copy is complete for the thread that issued it: other lanes see it after a warp barrier.
+if IS_SIM:  # copies are synchronous; memory is coherent
+
+    def cp_async16(dst, di, src, si, n):
+        vals = np.zeros(16 // src.dtype.itemsize, dtype=src.dtype)
+        if n:
+            for i in range(vals.size):
+                vals[i] = src[si[:-1] + (si[-1] + i,)]
+        words = vals.view(dst.dtype)
+        for i in range(words.size):
+            dst[di[:-1] + (di[-1] + i,)] = words[i]
+
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait(n: int):
+        def wait():
+            pass
+
+        return wait
+
+else:
+
+    def _item_ptr(context, builder, aryty, ary, idxty, idx):
+        inds = [context.cast(builder, v, t, _types.intp)
+                for v, t in zip(cgutils.unpack_tuple(builder, idx, len(idxty)), idxty, strict=True)]
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        return builder.bitcast(cgutils.get_item_pointer(context, builder, aryty, arr, inds, wraparound=False),
+                               _ir.IntType(8).as_pointer())
+
+    def _asm(builder, text: str, constraints: str, args=()):
+        fty = _ir.FunctionType(_ir.VoidType(), [a.type for a in args])
+        builder.call(_ir.InlineAsm(fty, text, constraints, side_effect=True), args)
+
+    @_intrinsic
+    def _cp_async16(typingctx, dst, di, src, si, n):
+        def codegen(context, builder, sig, args):
+            dty, dity, sty, sity, nty = sig.args
+            d = _item_ptr(context, builder, dty, args[0], dity, args[1])
+            s = _item_ptr(context, builder, sty, args[2], sity, args[3])
+            nb = context.cast(builder, args[4], nty, _types.uint32)
+            _asm(builder, "{\n\t.reg .u64 kdt_sa;\n\tcvta.to.shared.u64 kdt_sa, $0;\n\t"
+                 "cp.async.cg.shared.global [kdt_sa], [$1], 16, $2;\n\t}", "l,l,r,~{memory}", (d, s, nb))
+            return context.get_dummy_value()
+
+        return _types.none(dst, di, src, si, n), codegen
+
+    @_intrinsic
+    def _cp_async_commit(typingctx):
+        def codegen(context, builder, sig, args):
+            _asm(builder, "cp.async.commit_group;", "~{memory}")
+            return context.get_dummy_value()
+
+        return _types.none(), codegen
+
+    def _cp_wait_intrinsic(n: int):
+        @_intrinsic
+        def _wait(typingctx):
+            def codegen(context, builder, sig, args):
+                _asm(builder, f"cp.async.wait_group {n};", "~{memory}")
+                return context.get_dummy_value()
+
+            return _types.none(), codegen
+
+        return _wait
+
+    @cuda.jit(device=True, inline=True)
+    def cp_async16(dst, di, src, si, n):
+        _cp_async16(dst, di, src, si, n)
+
+    @cuda.jit(device=True, inline=True)
+    def cp_async_commit():
+        _cp_async_commit()
+
+    _WAITS: dict = {}
+
+    def cp_async_wait(n: int):
+        if n not in _WAITS:
+            w = _cp_wait_intrinsic(n)
+
+            def wait():
+                w()
+
+            _WAITS[n] = cuda.jit(device=True, inline=True)(wait)
+        return _WAITS[n]
+
+
 @cuda.jit(device=True, inline=True)
 def split_bf16x2(x0, x1):
     """(hi, lo): two float32 as bf16 pairs, x = hi + lo to ~2^-17 (x0 in the low halves)."""
@@ -143,7 +237,7 @@ _U1, _U2, _U3, _U4 = uint64(1), uint64(2), uint64(3), uint64(4)
 
 
 def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
-    """Device function ``mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane)``: the warp's tile of rt x 16
+    """Device function ``mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane, ring)``: the warp's tile of rt x 16
     weight rows by nt x 8 tokens over the 4-word groups [g0, g1) of K (warp-uniform; words >= Kw count as 0):
 
     acc[(r * nt + j) * 4 + c] += sum over those k of W[e, row, k] X[xrow, k], row = rows[2 r + (c >= 2)] (this
@@ -219,7 +313,7 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
     U = u
     full, one = step_fn(u, False), step_fn(1, True)
 
-    def mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane):
+    def mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane, ring):  # (ring: warp_mm_staged's, unused)
         Kw = uint64(W.shape[2])
         ue = uint64(e)
         ur = cuda.local.array(NB, uint64)
@@ -242,6 +336,128 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
     mm = _device(mm)
     _CACHE[key] = mm
     return mm
+
+
+if IS_SIM:  # no syncwarp: a block barrier (warp_mm_staged's barriers are uniform over the block)
+
+    def _lanes_sync():
+        cuda.syncthreads()
+
+else:
+
+    def _lanes_sync():
+        cuda.syncwarp()
+
+
+lanes_sync = _device(_lanes_sync)
+
+
+def warp_mm_staged(rt: int, nt: int, u: int, xl: int, st: int):
+    """:func:`warp_mm` (the same contract) with its loads staged through shared memory by ``cp.async``: ``mm(W, e,
+    rows, X, xrows, g0, g1, acc, frag, warp, lane, ring)``. Each step's u 4-word groups of the weights (rt row tiles x
+    16 rows x 32 bytes a group) and of x (nt token tiles x 8 tokens x 4 words x 16 bytes: hi / lo word pairs,
+    ``XL_HILO``, or 4 float32, ``XL_NATURAL``) go to the warp's ring of st stages (ring[warp]: uint64 [*, *, 32]
+    shared, word w of the ring at [warp, w // 32, w % 32], 64 u (rt + nt) words a stage; :func:`sm_shape`), issued
+    st - 1 steps ahead of their mma. The loads in flight then hold no registers: a warp keeps (st - 1) x 512 u (rt +
+    nt) bytes in flight where :func:`warp_mm` keeps its u groups' words in registers for one step at a time.
+
+    Lane (g, t) copies 16 bytes of weight row g (t < 2) or g + 8 (t >= 2), words 2 (t % 2) .. + 1 of each group, and
+    its own x fragment (token column g, word t: the 16 bytes it reads); a warp barrier a step makes the weight words
+    of the other lanes visible. Every step has u groups (trip counts uniform across the block's warps, which the
+    simulator's barriers need); groups past [g0, g1) or Kw copy zeros. Needs Kw even (16-byte aligned copies: K a
+    multiple of 8) and X 16-byte aligned rows. ``cs`` does not apply (cp.async.cg: the weights pass through L2 only)."""
+    if xl not in (XL_NATURAL, XL_HILO) or st < 2:
+        raise ValueError(f"staged warp tile: x layout {xl} (natural or hi / lo) and {st} stages (>= 2)")
+    key = ("staged", rt, nt, u, xl, st)
+    if key in _CACHE:
+        return _CACHE[key]
+    RT, NT, U, ST, HILO = rt, nt, u, st, xl == XL_HILO
+    WS = 64 * u * rt  # weight words of a stage (the x words follow)
+    SW = 64 * u * (rt + nt)  # words of a stage
+    NWF = 2 * rt
+    XC = 2 if HILO else 4  # X columns a word of K (a hi / lo uint64 pair; 4 float32)
+    wait = cp_async_wait(st - 2)  # the oldest stage in flight has landed
+
+    def issue(ring, slot, W, e, rows, X, xrows, kb, kend, warp, lane):
+        g, t = lane // 4, lane % 4
+        base = slot * SW
+        for q in range(U):
+            w = kb + 4 * q + 2 * (t % 2)  # this lane's two words of its weight row
+            nb = 16 if w < kend else 0
+            ws = w if nb else 0
+            for r in range(RT):
+                row = rows[2 * r + 1] if t >= 2 else rows[2 * r]
+                d = base + (q * RT + r) * 64 + 4 * (g + 8 * (t // 2)) + 2 * (t % 2)
+                cp_async16(ring, (warp, d // 32, d % 32), W, (e, row, ws), nb)
+            wx = kb + 4 * q + t  # its x word
+            nx = 16 if wx < kend else 0
+            cx = XC * wx if nx else 0
+            for j in range(NT):
+                d = base + WS + ((q * NT + j) * 32 + lane) * 2
+                cp_async16(ring, (warp, d // 32, d % 32), X, (xrows[j], cx), nx)
+
+    def compute(ring, slot, acc, frag, warp, lane):
+        g, t = lane // 4, lane % 4
+        base = slot * SW
+        wfr = cuda.local.array(NWF, uint64)
+        for q in range(U):
+            for r in range(RT):
+                wi = base // 32 + (q * RT + r) * 2  # (rows g and g + 8 of the tile: 32 words apart)
+                wfr[2 * r] = ring[warp, wi, 4 * g + t]
+                wfr[2 * r + 1] = ring[warp, wi + 1, 4 * g + t]
+            for j in range(NT):
+                xi = (base + WS) // 32 + (q * NT + j) * 2 + lane // 16
+                x0, x1 = ring[warp, xi, (2 * lane) % 32], ring[warp, xi, (2 * lane) % 32 + 1]
+                if HILO:
+                    bh0, bh1 = uint32(x0 & uint64(0xFFFFFFFF)), uint32(x0 >> uint64(32))
+                    bl0, bl1 = uint32(x1 & uint64(0xFFFFFFFF)), uint32(x1 >> uint64(32))
+                else:
+                    bh0, bl0 = split_bf16x2(f32_from_bits(x0 & uint64(0xFFFFFFFF)), f32_from_bits(x0 >> uint64(32)))
+                    bh1, bl1 = split_bf16x2(f32_from_bits(x1 & uint64(0xFFFFFFFF)), f32_from_bits(x1 >> uint64(32)))
+                for r in range(RT):
+                    wg, wg8 = wfr[2 * r], wfr[2 * r + 1]
+                    a0, a2 = uint32(wg & uint64(0xFFFFFFFF)), uint32(wg >> uint64(32))
+                    a1, a3 = uint32(wg8 & uint64(0xFFFFFFFF)), uint32(wg8 >> uint64(32))
+                    k = (r * NT + j) * 4
+                    d0, d1, d2, d3 = mma_bf16(a0, a1, a2, a3, bl0, bl1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3],
+                                              frag, warp, lane)
+                    acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_bf16(a0, a1, a2, a3, bh0, bh1, d0, d1, d2, d3,
+                                                                          frag, warp, lane)
+
+    issue, compute = _device(issue), _device(compute)
+
+    def mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane, ring):
+        kend = min(4 * g1, W.shape[2])  # words past kend copy zeros
+        ns = (g1 - g0 + U - 1) // U  # steps of U groups
+        for s in range(ST - 1):  # the pipeline's first st - 1 stages
+            if s < ns:
+                issue(ring, s, W, e, rows, X, xrows, 4 * (g0 + U * s), kend, warp, lane)
+            cp_async_commit()
+        for i in range(ns):
+            wait()
+            lanes_sync()  # every lane's copies of stage i have landed; every lane is done with stage i - 1
+            compute(ring, i % ST, acc, frag, warp, lane)
+            n = i + ST - 1
+            if n < ns:  # into the slot of stage i - 1
+                issue(ring, n % ST, W, e, rows, X, xrows, 4 * (g0 + U * n), kend, warp, lane)
+            cp_async_commit()
+
+    mm = _device(mm)
+    _CACHE[key] = mm
+    return mm
+
+
+def sm_shape(nw: int, rt: int, nt: int, st: int = 0, u: int = 1) -> tuple[int, int, int]:
+    """Shape of a block's shared array ``sm`` for :func:`block_mm` (dtype :func:`sm_dtype`): the nw warps' sums,
+    float32 [nw, 4 rt nt, 32]; staged (st >= 2, u groups a stage), uint64 [nw, rows, 32], row 0.. of warp w its ring of
+    st stages (:func:`warp_mm_staged`), then the same rows its sums as float32 bits."""
+    na = 4 * rt * nt
+    return (nw, max(na, 2 * st * u * (rt + nt)), 32) if st else (nw, na, 32)
+
+
+def sm_dtype(st: int):
+    """dtype of ``sm`` (:func:`sm_shape`): float32, staged uint64."""
+    return uint64 if st else float32
 
 
 @_device
@@ -300,28 +516,47 @@ def row_groups(nw: int, kw: int) -> tuple[int, int, int]:
     return (0 if KW == nw else KW), KW, nw // KW
 
 
-def block_mm(rt: int, nt: int, u: int, xl: int, cs: bool, nw: int, kw: int = 0):
+def _put_sums(sm, acc, warp, lane):
+    """sm[warp, i, lane] = acc[i] (float32 ``sm``)."""
+    for i in range(acc.shape[0]):
+        sm[warp, i, lane] = acc[i]
+
+
+def _put_sums_bits(sm, acc, warp, lane):
+    """The same into a staged block's uint64 ``sm`` as float32 bits, after a warp barrier: the warp's lanes are done
+    reading its ring, which the sums overwrite."""
+    lanes_sync()
+    for i in range(acc.shape[0]):
+        sm[warp, i, lane] = uint64(f32_bits(acc[i]))
+
+
+_put_sums, _put_sums_bits = _device(_put_sums), _device(_put_sums_bits)
+
+
+def block_mm(rt: int, nt: int, u: int, xl: int, cs: bool, nw: int, kw: int = 0, st: int = 0):
     """Device function ``bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)``: the block's pass of
     :func:`warp_mm` (same rows, xrows, acc) over all of K, its nw warps in nw / kw row groups (each warp passes its
     group's rows) of kw warps splitting K (``k_groups``; kw = 0: one group of nw): each warp's acc, from zero, into
     sm[warp, :, lane] (float32 [nw, 4 rt nt, 32] shared), then a ``cuda.syncthreads()`` (:func:`block_total` then
     sums a position over a group's warps). Row groups share the token tile's x through L1, a K split adds warps
-    where a grid has few blocks."""
+    where a grid has few blocks. st >= 2: the warp tile's loads staged through shared memory, st stages of u groups
+    (:func:`warp_mm_staged`, its rings in ``sm``: :func:`sm_shape`; the sums then as float32 bits,
+    :func:`block_total_fn`)."""
     kw, KW, _ = row_groups(nw, kw)
-    key = ("block", rt, nt, u, xl, cs, nw, kw)
+    key = ("block", rt, nt, u, xl, cs, nw, kw, st)
     if key in _CACHE:
         return _CACHE[key]
     NA = 4 * rt * nt
-    mm = warp_mm(rt, nt, u, xl, cs)
+    mm = warp_mm_staged(rt, nt, u, xl, st) if st else warp_mm(rt, nt, u, xl, cs)
+    put_sums = _put_sums_bits if st else _put_sums  # (staged: after the warp's last reads of its ring)
 
     def bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane):
         for i in range(NA):
             acc[i] = float32(0.0)
         gpw = k_groups(W.shape[2], KW)
         kq = warp % KW
-        mm(W, e, rows, X, xrows, kq * gpw, (kq + 1) * gpw, acc, frag, warp, lane)
-        for i in range(NA):
-            sm[warp, i, lane] = acc[i]
+        mm(W, e, rows, X, xrows, kq * gpw, (kq + 1) * gpw, acc, frag, warp, lane, sm)
+        put_sums(sm, acc, warp, lane)
         cuda.syncthreads()
 
     bmm = _device(bmm)
@@ -338,10 +573,24 @@ def block_total(sm, i, lane, w0, kw):
     return v
 
 
-block_total = _device(block_total)
+def block_total_bits(sm, i, lane, w0, kw):
+    """:func:`block_total` of a staged block's ``sm`` (uint64: the sums as float32 bits, :func:`sm_shape`)."""
+    v = f32_from_bits(sm[w0, i, lane])
+    for q in range(1, kw):
+        v += f32_from_bits(sm[w0 + q, i, lane])
+    return v
 
 
-def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int = 0, heads: bool = False):
+block_total, block_total_bits = _device(block_total), _device(block_total_bits)
+
+
+def block_total_fn(st: int):
+    """The ``block_total`` of a block_mm with st stages (``sm``'s dtype)."""
+    return block_total_bits if st else block_total
+
+
+def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int = 0, heads: bool = False,
+                st: int = 0):
     """``y[M, N] (+)= X[M, K] W[e, N, K]^T`` (kdt.kernels.linear's tensor-core path; the warp tile's test). Block
     (bx, by): tokens [8 nt bx, 8 nt (bx + 1)) x rows [R by, R (by + 1)), R = 16 rt nw / kw (the token tiles of a
     row tile are neighbours in the grid, so they meet its weights in L2); its nw warps in row groups of kw warps
@@ -350,21 +599,23 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
 
     ``heads``: one such GEMM a head h = blockIdx.z of H = gridDim.z, on the last N of each head's W.shape[1] / H
     rows (kdt.kernels.mla.uv_project: W_uv[h], the last dv of kv_b's dn + dv rows of head h), X row m H + h (o_lat
-    [M, H, K] flattened) and y columns [h N, (h + 1) N) of y [M, H N]; e and accumulate are not read (W [1, ...])."""
+    [M, H, K] flattened) and y columns [h N, (h + 1) N) of y [M, H N]; e and accumulate are not read (W [1, ...]).
+    st >= 2: the loads staged through shared memory (:func:`warp_mm_staged`)."""
     kw, KW, NRG = row_groups(nw, kw)
-    key = ("gemm", rt, nt, u, nw, xl, kw, heads)
+    key = ("gemm", rt, nt, u, nw, xl, kw, heads, st)
     if key in _CACHE:
         return _CACHE[key]
     RT, NT, NW, NA, NB, HEADS = rt, nt, nw, rt * nt * 4, 2 * rt, heads
-    FRAG = frag_shape(nw)
-    bmm = block_mm(rt, nt, u, xl, False, nw, kw)
+    FRAG, SM, SMT = frag_shape(nw), sm_shape(nw, rt, nt, st, u), sm_dtype(st)
+    bmm = block_mm(rt, nt, u, xl, False, nw, kw, st)
+    total = block_total_fn(st)
 
     def tc_gemm(X, W, e, y, accumulate):
         grid_dependency_wait()
         lane = cuda.threadIdx.x % 32
         warp = cuda.threadIdx.x // 32
         g, t = lane // 4, lane % 4
-        sm = cuda.shared.array((NW, NA, 32), float32)
+        sm = cuda.shared.array(SM, SMT)
         frag = cuda.shared.array(FRAG, int64)
         acc = cuda.local.array(NA, float32)
         rows = cuda.local.array(NB, int64)
@@ -386,18 +637,20 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
             row = r0 + q * MMA_ROWS * RT + acc_row(i, NT, g)
             m = m0 + acc_col(i, NT, t)
             if row < N and m < M:
-                v = block_total(sm, i, lane, q * KW, KW)
+                v = total(sm, i, lane, q * KW, KW)
                 c = h * N + row
                 y[m, c] = y[m, c] + v if accumulate and not HEADS else v
 
     tc_gemm.__name__ = (f"tc_gemm_rt{rt}_nt{nt}_u{u}_nw{nw}{XL_NAMES[xl]}{f'_kw{kw}' if kw else ''}"
-                        f"{'_heads' if heads else ''}")
+                        f"{'_heads' if heads else ''}{f'_st{st}' if st else ''}")
     k = cuda.jit(tc_gemm)
     _CACHE[key] = k
     return k
 
 
-__all__ = ["mma_bf16", "split_bf16x2", "warp_mm", "row_groups", "block_mm", "block_total", "tile_rows", "acc_row",
+__all__ = ["mma_bf16", "split_bf16x2", "warp_mm", "warp_mm_staged", "cp_async16", "cp_async_commit", "cp_async_wait",
+           "lanes_sync", "row_groups", "block_mm", "block_total", "block_total_bits", "block_total_fn", "sm_shape",
+           "sm_dtype", "tile_rows", "acc_row",
            "acc_col", "gemm_kernel", "frag_shape", "put_hilo", "hilo_np", "XL_NATURAL", "XL_PERM", "XL_HILO"]
 
 
@@ -409,7 +662,8 @@ def _register() -> None:
 
     from kdt.kernels.common import register_ptx
 
-    for shape in ((2, 1, 4, 4, XL_PERM), (1, 2, 2, 4, XL_NATURAL), (2, 4, 2, 4, XL_NATURAL, 1), (2, 4, 2, 4, XL_HILO)):
+    for shape in ((2, 1, 4, 4, XL_PERM), (1, 2, 2, 4, XL_NATURAL), (2, 4, 2, 4, XL_NATURAL, 1), (2, 4, 2, 4, XL_HILO),
+                  (2, 2, 1, 4, XL_HILO, 0, False, 3), (1, 2, 1, 4, XL_NATURAL, 0, False, 2)):  # (+ staged loads)
         x = u64[:, ::1] if shape[4] == XL_HILO else f32[:, ::1]
         register_ptx(gemm_kernel(*shape), (x, u64[:, :, ::1], i64, f32[:, ::1], boolean))
 
