@@ -97,7 +97,6 @@ if IS_SIM:
 else:
     from llvmlite import ir as _ir
     from numba import types as _types
-    from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic as _intrinsic
 
     _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
@@ -125,20 +124,21 @@ else:
 
 
 # ---- cp.async: global -> shared copies that hold no registers while in flight ------------------------------------
-# cp_async16(dst, di, src, si, n): the 16 bytes at src[si] (a tuple of indices; 16-byte aligned) to dst[di] (a shared
-# array), the last 16 - n of them zeros (n = 0 or 16: a masked copy reads nothing); cp_async_commit() closes this
-# thread's group of copies; cp_async_wait(n) (a factory: n is a literal of the PTX) waits until at most its n newest
-# groups are in flight. A copy is complete for the thread that issued it: other lanes see it after a warp barrier.
+# cp_async16(dst, doff, src, soff, n): the 16 bytes at element offset soff of src (from its first element; a
+# C-contiguous array, 16-byte aligned there) to element offset doff of dst (a shared array), the last 16 - n of them
+# zeros (n = 0 or 16: a masked copy reads nothing); cp_async_commit() closes this thread's group of copies;
+# cp_async_wait(n) (a factory: n is a literal of the PTX) waits until at most its n newest groups are in flight. A
+# copy is complete for the thread that issued it: other lanes see it after a warp barrier.
 if IS_SIM:  # copies are synchronous; memory is coherent
 
-    def cp_async16(dst, di, src, si, n):
+    def cp_async16(dst, doff, src, soff, n):
         vals = np.zeros(16 // src.dtype.itemsize, dtype=src.dtype)
         if n:
             for i in range(vals.size):
-                vals[i] = src[si[:-1] + (si[-1] + i,)]
+                vals[i] = src[np.unravel_index(int(soff) + i, src.shape)]
         words = vals.view(dst.dtype)
         for i in range(words.size):
-            dst[di[:-1] + (di[-1] + i,)] = words[i]
+            dst[np.unravel_index(int(doff) + i, dst.shape)] = words[i]
 
     def cp_async_commit():
         pass
@@ -151,29 +151,27 @@ if IS_SIM:  # copies are synchronous; memory is coherent
 
 else:
 
-    def _item_ptr(context, builder, aryty, ary, idxty, idx):
-        inds = [context.cast(builder, v, t, _types.intp)
-                for v, t in zip(cgutils.unpack_tuple(builder, idx, len(idxty)), idxty, strict=True)]
-        arr = context.make_array(aryty)(context, builder, value=ary)
-        return builder.bitcast(cgutils.get_item_pointer(context, builder, aryty, arr, inds, wraparound=False),
-                               _ir.IntType(8).as_pointer())
-
     def _asm(builder, text: str, constraints: str, args=()):
         fty = _ir.FunctionType(_ir.VoidType(), [a.type for a in args])
         builder.call(_ir.InlineAsm(fty, text, constraints, side_effect=True), args)
 
+    def _flat_ptr(context, builder, aryty, ary, offty, off):
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        return builder.bitcast(builder.gep(arr.data, [context.cast(builder, off, offty, _types.intp)]),
+                               _ir.IntType(8).as_pointer())
+
     @_intrinsic
-    def _cp_async16(typingctx, dst, di, src, si, n):
+    def _cp_async16(typingctx, dst, doff, src, soff, n):
         def codegen(context, builder, sig, args):
-            dty, dity, sty, sity, nty = sig.args
-            d = _item_ptr(context, builder, dty, args[0], dity, args[1])
-            s = _item_ptr(context, builder, sty, args[2], sity, args[3])
+            dty, doty, sty, soty, nty = sig.args
+            d = _flat_ptr(context, builder, dty, args[0], doty, args[1])
+            s = _flat_ptr(context, builder, sty, args[2], soty, args[3])
             nb = context.cast(builder, args[4], nty, _types.uint32)
             _asm(builder, "{\n\t.reg .u64 kdt_sa;\n\tcvta.to.shared.u64 kdt_sa, $0;\n\t"
                  "cp.async.cg.shared.global [kdt_sa], [$1], 16, $2;\n\t}", "l,l,r,~{memory}", (d, s, nb))
             return context.get_dummy_value()
 
-        return _types.none(dst, di, src, si, n), codegen
+        return _types.none(dst, doff, src, soff, n), codegen
 
     @_intrinsic
     def _cp_async_commit(typingctx):
@@ -195,8 +193,8 @@ else:
         return _wait
 
     @cuda.jit(device=True, inline=True)
-    def cp_async16(dst, di, src, si, n):
-        _cp_async16(dst, di, src, si, n)
+    def cp_async16(dst, doff, src, soff, n):
+        _cp_async16(dst, doff, src, soff, n)
 
     @cuda.jit(device=True, inline=True)
     def cp_async_commit():
@@ -233,7 +231,7 @@ def _device(fn):
 
 _CACHE: dict = {}
 # unsigned constants: Numba types a signed and an unsigned 64-bit integer together as float64
-_U1, _U2, _U3, _U4 = uint64(1), uint64(2), uint64(3), uint64(4)
+_U0, _U1, _U2, _U3, _U4, _U32 = uint64(0), uint64(1), uint64(2), uint64(3), uint64(4), uint64(32)
 
 
 def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
@@ -365,7 +363,10 @@ def warp_mm_staged(rt: int, nt: int, u: int, xl: int, st: int):
     its own x fragment (token column g, word t: the 16 bytes it reads); a warp barrier a step makes the weight words
     of the other lanes visible. Every step has u groups (trip counts uniform across the block's warps, which the
     simulator's barriers need); groups past [g0, g1) or Kw copy zeros. Needs Kw even (16-byte aligned copies: K a
-    multiple of 8) and X 16-byte aligned rows. ``cs`` does not apply (cp.async.cg: the weights pass through L2 only)."""
+    multiple of 8), W and X C-contiguous with 16-byte aligned rows. ``cs`` does not apply (cp.async.cg: the weights
+    pass through L2 only). Each lane's copy addresses are element offsets computed once a call and advanced by a
+    step's words: the first version indexed the arrays per copy (int64 indices), 212 PTX instructions a step of 8 mma
+    against 110 now (session 30's Nsight Compute had it issue-bound, 71% of issue slots)."""
     if xl not in (XL_NATURAL, XL_HILO) or st < 2:
         raise ValueError(f"staged warp tile: x layout {xl} (natural or hi / lo) and {st} stages (>= 2)")
     key = ("staged", rt, nt, u, xl, st)
@@ -378,36 +379,31 @@ def warp_mm_staged(rt: int, nt: int, u: int, xl: int, st: int):
     XC = 2 if HILO else 4  # X columns a word of K (a hi / lo uint64 pair; 4 float32)
     wait = cp_async_wait(st - 2)  # the oldest stage in flight has landed
 
-    def issue(ring, slot, W, e, rows, X, xrows, kb, kend, warp, lane):
-        g, t = lane // 4, lane % 4
-        base = slot * SW
+    def issue(ring, W, X, wro, xro, dw, dx, kb, kend, t):
+        """Stage at ring offsets dw (this lane's weight words) / dx (its x words), K words from kb."""
         for q in range(U):
-            w = kb + 4 * q + 2 * (t % 2)  # this lane's two words of its weight row
+            kq = kb + uint64(4 * q)
+            w = kq + uint64(2 * (t % 2))  # this lane's two words of its weight row
             nb = 16 if w < kend else 0
-            ws = w if nb else 0
             for r in range(RT):
-                row = rows[2 * r + 1] if t >= 2 else rows[2 * r]
-                d = base + (q * RT + r) * 64 + 4 * (g + 8 * (t // 2)) + 2 * (t % 2)
-                cp_async16(ring, (warp, d // 32, d % 32), W, (e, row, ws), nb)
-            wx = kb + 4 * q + t  # its x word
-            nx = 16 if wx < kend else 0
-            cx = XC * wx if nx else 0
+                cp_async16(ring, dw + uint64((q * RT + r) * 64), W, wro[r] + (kq if nb else _U0), nb)
+            nx = 16 if kq + uint64(t) < kend else 0  # its x word
             for j in range(NT):
-                d = base + WS + ((q * NT + j) * 32 + lane) * 2
-                cp_async16(ring, (warp, d // 32, d % 32), X, (xrows[j], cx), nx)
+                cp_async16(ring, dx + uint64((q * NT + j) * 64), X, xro[j] + (uint64(XC) * kq if nx else _U0), nx)
 
-    def compute(ring, slot, acc, frag, warp, lane):
+    def compute(ring, slot, acc, frag, uw, warp, lane):
         g, t = lane // 4, lane % 4
-        base = slot * SW
+        wrow = uint64(slot * (SW // 32))  # the stage's first row of 32 words
+        wcol, xcol = uint64(4 * g + t), uint64((2 * lane) % 32)
         wfr = cuda.local.array(NWF, uint64)
         for q in range(U):
             for r in range(RT):
-                wi = base // 32 + (q * RT + r) * 2  # (rows g and g + 8 of the tile: 32 words apart)
-                wfr[2 * r] = ring[warp, wi, 4 * g + t]
-                wfr[2 * r + 1] = ring[warp, wi + 1, 4 * g + t]
+                wi = wrow + uint64((q * RT + r) * 2)  # (rows g and g + 8 of the tile: 32 words apart)
+                wfr[2 * r] = ring[uw, wi, wcol]
+                wfr[2 * r + 1] = ring[uw, wi + _U1, wcol]
             for j in range(NT):
-                xi = (base + WS) // 32 + (q * NT + j) * 2 + lane // 16
-                x0, x1 = ring[warp, xi, (2 * lane) % 32], ring[warp, xi, (2 * lane) % 32 + 1]
+                xi = wrow + uint64(WS // 32 + (q * NT + j) * 2 + lane // 16)
+                x0, x1 = ring[uw, xi, xcol], ring[uw, xi, xcol + _U1]
                 if HILO:
                     bh0, bh1 = uint32(x0 & uint64(0xFFFFFFFF)), uint32(x0 >> uint64(32))
                     bl0, bl1 = uint32(x1 & uint64(0xFFFFFFFF)), uint32(x1 >> uint64(32))
@@ -427,19 +423,35 @@ def warp_mm_staged(rt: int, nt: int, u: int, xl: int, st: int):
     issue, compute = _device(issue), _device(compute)
 
     def mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane, ring):
-        kend = min(4 * g1, W.shape[2])  # words past kend copy zeros
+        g, t = lane // 4, lane % 4
+        Kw = uint64(W.shape[2])
+        kend = min(uint64(4 * g1), Kw)  # words past kend copy zeros
         ns = (g1 - g0 + U - 1) // U  # steps of U groups
+        # element offsets, once: this lane's weight rows (+ its half of a group) and x rows (+ its word), its ring
+        wro = cuda.local.array(RT, uint64)
+        xro = cuda.local.array(NT, uint64)
+        for r in range(RT):
+            row = rows[2 * r + 1] if t >= 2 else rows[2 * r]
+            wro[r] = (uint64(e) * uint64(W.shape[1]) + uint64(row)) * Kw + uint64(2 * (t % 2))
+        for j in range(NT):
+            xro[j] = uint64(xrows[j]) * uint64(X.shape[1]) + uint64(XC * t)
+        uw = uint64(warp)
+        rb = uw * uint64(ring.shape[1]) * _U32  # the warp's ring: its first element
+        dw = rb + uint64(4 * (g + 8 * (t // 2)) + 2 * (t % 2))
+        dx = rb + uint64(WS + 2 * lane)
         for s in range(ST - 1):  # the pipeline's first st - 1 stages
             if s < ns:
-                issue(ring, s, W, e, rows, X, xrows, 4 * (g0 + U * s), kend, warp, lane)
+                issue(ring, W, X, wro, xro, dw + uint64(s * SW), dx + uint64(s * SW), uint64(4 * (g0 + U * s)), kend,
+                      t)
             cp_async_commit()
         for i in range(ns):
             wait()
             lanes_sync()  # every lane's copies of stage i have landed; every lane is done with stage i - 1
-            compute(ring, i % ST, acc, frag, warp, lane)
+            compute(ring, i % ST, acc, frag, uw, warp, lane)
             n = i + ST - 1
             if n < ns:  # into the slot of stage i - 1
-                issue(ring, n % ST, W, e, rows, X, xrows, 4 * (g0 + U * n), kend, warp, lane)
+                o = uint64((n % ST) * SW)
+                issue(ring, W, X, wro, xro, dw + o, dx + o, uint64(4 * (g0 + U * n)), kend, t)
             cp_async_commit()
 
     mm = _device(mm)
