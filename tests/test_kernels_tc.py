@@ -50,7 +50,7 @@ SIM_CASES = [  # M, N, K, rt, nt, u, nw, xl, kw, st
     (11, 36, 40, 1, 2, 3, 1, HILO, 0, 0),  # hi / lo x, one warp: a full step of 3 groups, then 1 masked group
     # staged through shared memory (st stages; K a multiple of 8)
     (9, 40, 72, 2, 2, 2, 2, HILO, 0, 2),  # 2 x 2 tiles, 2 groups a step, the second warp's step partly past K
-    (7, 24, 200, 1, 1, 1, 2, HILO, 0, 3),  # 7 steps a warp: the ring of 3 wraps twice, one group past K
+    (7, 24, 200, 1, 1, 1, 2, HILO, 0, 3),  # 7 steps a warp: the ring of 3 wraps twice; the last group partly past K
     (11, 36, 40, 1, 2, 3, 1, NAT, 0, 3),  # float32 x, one step of 3 groups, its last 2 words past K
     (17, 33, 24, 1, 2, 1, 3, HILO, 0, 4),  # the third warp wholly past K; fewer steps than the ring's 3 ahead
     (9, 70, 40, 1, 2, 1, 4, NAT, 2, 2),  # 2 row groups of 2 warps, float32 x, the last block's rows partly past N

@@ -1747,7 +1747,8 @@ class V2Tiles:
     of one 4-word group a warp (kdt.kernels.tc.warp_mm_staged; 0: off). It needs their x hi / lo (tc_hilo) and K a
     multiple of 8 (D and I), else it is dropped. Off: s27c's Nsight Compute had kernels B and C half their time
     waiting on loads, but at 65 tokens 2-5 stages (1-4 ahead) ran 602-677 us against 597 for the same hi / lo kernels
-    unstaged and 575 for the default (session 30's s30b / s30c): the loads' depth a warp is not what bounds them."""
+    unstaged and 575 for the default (session 30's s30b / s30c; that version issue-bound on its per-copy index
+    arithmetic, the copies at precomputed offsets since not yet timed): a warp's load depth alone does not help."""
 
     nw: int = 4
     nr: int = 4
