@@ -715,6 +715,19 @@ def moonlight():
     return cfg, w, {}
 
 
+def _moonlight_layer(moonlight, dtype):
+    """(device weights, float64 reference, scratch for 256 tokens) of the moonlight fixture's layer, once per dtype
+    (bf16 also keeps the float32 weights' reference as cache["fp32_ref"])."""
+    cfg, w, cache = moonlight
+    if dtype not in cache:
+        ref_w = w if dtype == np.float32 else _rounded(w)
+        cache[dtype] = (moe.MoEWeights.from_hf(cfg, w, PREFIX, dtype), MoE(cfg, ref_w, PREFIX, np.float64),
+                        moe.MoEScratch.allocate(cfg, 256))
+        if dtype == BF16:
+            cache["fp32_ref"] = MoE(cfg, w, PREFIX, np.float64)
+    return cache[dtype]
+
+
 @pytest.mark.kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", [1, 2])
@@ -722,13 +735,7 @@ def moonlight():
 @pytest.mark.parametrize("M", [1, 16, 64, 128, 256])
 def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     cfg, w, cache = moonlight
-    if dtype not in cache:  # device weights and float64 references, once per dtype
-        ref_w = w if dtype == np.float32 else _rounded(w)
-        cache[dtype] = (moe.MoEWeights.from_hf(cfg, w, PREFIX, dtype), MoE(cfg, ref_w, PREFIX, np.float64),
-                        moe.MoEScratch.allocate(cfg, 256))
-        if dtype == BF16:
-            cache["fp32_ref"] = MoE(cfg, w, PREFIX, np.float64)
-    layer, ref, scratch = cache[dtype]
+    layer, ref, scratch = _moonlight_layer(moonlight, dtype)
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))
     d_b = cuda.to_device(b)
@@ -753,8 +760,7 @@ def test_moe_forward_moonlight_staged(rng, moonlight, M, st):
     """Version 2 at Moonlight's shape, bf16, the routed GEMMs' loads staged through shared memory (tc_st, hi / lo
     x), against float64."""
     cfg, w, _ = moonlight
-    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
-    scratch = moe.MoEScratch.allocate(cfg, M)
+    layer, ref, scratch = _moonlight_layer(moonlight, BF16)
     tiles = replace(moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size), tc_hilo=True,
                     tc_st=st)
     names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, tiles)]
@@ -762,7 +768,7 @@ def test_moe_forward_moonlight_staged(rng, moonlight, M, st):
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))
     moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, version=2, tiles=tiles)
-    err = rel_err(out.copy_to_host(), MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64)))
+    err = rel_err(out.copy_to_host(), ref(b.astype(np.float64)))
     print(f"moonlight staged st={st} M={M}: rel_err {err:.2e}")
     assert err < BF16_BOUND
     _check_v2_state(cfg, b, w, scratch, M)

@@ -146,12 +146,7 @@ if IS_SIM:
         return tot
 
 else:
-    from numba.cuda import libdevice
-
-    @_device
-    def _f32_from_bits(u):
-        """Low 32 bits of an integer -> float32 with that bit pattern."""
-        return libdevice.int_as_float(int32(u))
+    from kdt.kernels.common import f32_from_bits as _f32_from_bits  # (the simulator's own above: a plain function)
 
     @_device
     def _warp_allsum(v):
@@ -1340,8 +1335,9 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, NA, NP, GATHER, HILO = nw, nt, 2 * nt * 4, nt * 4, gather, hilo  # NP: gate (up) accumulators a lane
-    FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, 2, nt, st), tc.sm_dtype(st)
-    bmm = tc.block_mm(2, nt, 1 if st else u, xl, cs, nw, kw, st)
+    us = 1 if st else u  # (staged: one group a stage)
+    FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, 2, nt, st, us), tc.sm_dtype(st)
+    bmm = tc.block_mm(2, nt, us, xl, cs, nw, kw, st)
     total = tc.block_total_fn(st)
 
     def gate_up(o0, W, e, X, start, end, rowsel, h):
@@ -1396,8 +1392,9 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, 
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, RT, NT, NA, NB = nw, rt, nt, rt * nt * 4, 2 * rt
-    FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, rt, nt, st), tc.sm_dtype(st)
-    bmm = tc.block_mm(rt, nt, 1 if st else u, xl, cs, nw, kw, st)
+    us = 1 if st else u  # (staged: one group a stage)
+    FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, rt, nt, st, us), tc.sm_dtype(st)
+    bmm = tc.block_mm(rt, nt, us, xl, cs, nw, kw, st)
     total = tc.block_total_fn(st)
 
     def down(d0, W, e, X, start, end, y):
@@ -1871,8 +1868,7 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     """Kernels A, B and C of launch shape t for weight words of epw elements (with ``t.ab``, A and B
     are also compiled into kernel AB, :func:`_v2_ab_kernel`)."""
     tcn = t.tc if epw == 4 else 0
-    split, hilo, kw = bool(tcn) and t.tc_split, t.hilo(epw), t.tc_kw if tcn else 0
-    st = t.tc_st if hilo else 0
+    split, hilo, kw, st = bool(tcn) and t.tc_split, t.hilo(epw), t.tc_kw if tcn else 0, t.tc_st if tcn else 0
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
                                kw, st),
@@ -1890,7 +1886,7 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         t = replace(t, ab=False)
     if t.tc and (L._epw != 4 or t.ab):  # tensor cores take bf16 weights (4 a word); not in kernel AB
         t = replace(t, tc=0)
-    if t.tc_st and (D % 8 or I % 8):  # staged loads copy 16-byte aligned pairs of words
+    if t.tc_st and (not t.hilo(L._epw) or D % 8 or I % 8):  # staged loads copy 16-byte hi / lo words of x
         t = replace(t, tc_st=0)
     ka, kb, kc = _v2_kernels(t, L._epw)
     J = min(E, M * k)
