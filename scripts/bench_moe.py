@@ -86,7 +86,11 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             if n != t.tc] + [
             ("tc_words4", r(t, u=4, u_c=4)), ("tc_words1", r(t, u=1, u_c=1)), ("tc_rows1", r(t, tc_rt=1)),
             ("tc_rows4", r(t, tc_rt=4))] + [(f"tc_kw{kw}", r(t, tc_kw=kw)) for kw in (1, 2) if kw != t.tc_kw] + [
-            (f"tc_st{st}", r(t, tc_hilo=True, tc_st=st)) for st in (2, 3, 4, 5) if st != t.tc_st]  # (hi / lo x)
+            (f"tc_st{st}", r(t, tc_hilo=True, tc_st=st)) for st in (2, 3, 4, 5) if st != t.tc_st] + [  # (hi / lo x)
+            # kernel B's routed gate_up with 2 output tiles a warp (alone, with kernel C's down on 4 row tiles, staged)
+            ("tc_ot2", r(t, tc_ot=2)), ("tc_ot2_hilo", r(t, tc_ot=2, tc_hilo=True)),
+            ("tc_ot2_rows4", r(t, tc_ot=2, tc_rt=4)),
+            ("tc_ot2_st3", r(t, tc_ot=2, tc_hilo=True, tc_st=3))]
     if M <= 1:
         return [("kernel_B_shared_last", r(t, sd_first=False)), ("rows8_words2", r(t, nr=8, u=2, nr_c=8, u_c=2)),
                 ("words2", r(t, u=2, u_c=2)), ("words8", r(t, u=8, u_c=8)), ("C_8warps", r(t, nw_c=8))]

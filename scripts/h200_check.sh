@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1220,7 +1220,7 @@ s30b)  # session 30, issue 7: the routed GEMMs' loads staged through shared memo
   # tensor-core GEMM and the Moonlight MoE's staged gpu tests beside kdt verify; then the MoE layer at 32 / 65 tokens:
   # the default, its x hi / lo unstaged, staged with 2 / 3 stages, alone on the GPU
   tparts 240 tc tests/test_kernels_tc.py -k gemm
-  tparts 240 staged tests/test_kernels_moe.py::test_moe_forward_moonlight_staged
+  tparts 240 staged tests/test_kernels_moe.py::test_moe_forward_moonlight_tiles
   verify_beside_tparts 150 1 tc staged
   step moe_st ${MOE_TIMEOUT:-280} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 32,65 --sweep --parts \
     --jobs 8 --only "v2,v2 tc_hilo,v2 tc_st2,v2 tc_st3" --json "$OUT/moe-$day-moonlight-s30b.json"
@@ -1228,7 +1228,7 @@ s30b)  # session 30, issue 7: the routed GEMMs' loads staged through shared memo
 s30c)  # session 30, issue 7: s30b with the stages' rings in the blocks' sums array (sm), so deeper pipelines fit in
   # 48 KB: the staged gpu tests beside kdt verify; then the MoE layer at 65 tokens with 3 / 4 / 5 stages, alone
   tparts 240 tc tests/test_kernels_tc.py -k gemm
-  tparts 240 staged tests/test_kernels_moe.py::test_moe_forward_moonlight_staged
+  tparts 240 staged tests/test_kernels_moe.py::test_moe_forward_moonlight_tiles
   verify_beside_tparts 150 1 tc staged
   step moe_st ${MOE_TIMEOUT:-240} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --sweep --parts \
     --jobs 8 --only "v2,v2 tc_hilo,v2 tc_st3,v2 tc_st4,v2 tc_st5" --json "$OUT/moe-$day-moonlight-s30c.json"
@@ -1247,7 +1247,31 @@ s30e)  # session 30: the staged loads with their addresses as element offsets co
   grep -h "moonlight\|Error\|error" "$OUT/moe_st.log" | cut -c1-150
   step tc ${TEST_TIMEOUT:-80} python3 -m pytest -q -m gpu tests/test_kernels_tc.py -k gemm -p no:cacheprovider -rf
   tail -n 3 "$OUT/tc.log" ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e"; exit 2 ;;
+s31a)  # session 31: s30e (the staged loads at precomputed element offsets: the MoE layer at 65 tokens, the default,
+  # hi / lo x, 3 / 4 / 5 stages, alone); then beside each other: the tensor-core GEMM and staged MoE gpu tests, and
+  # the engine's gpu tests that s29d / s30d could not finish (stop token, graph replay; cold compiles, 400 s)
+  step moe_st ${MOE_TIMEOUT:-150} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --sweep --jobs 8 \
+    --only "v2,v2 tc_hilo,v2 tc_st3,v2 tc_st4,v2 tc_st5" --json "$OUT/moe-$day-moonlight-s31a.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_st.log" | cut -c1-150
+  tparts 400 engine tests/test_engine_cuda.py -k "graph_replay or stop_token" --durations=0
+  tparts 240 tc tests/test_kernels_tc.py -k gemm
+  tparts 300 staged tests/test_kernels_moe.py::test_moe_forward_moonlight_tiles
+  wait
+  for n in engine tc staged; do echo "pytest $n:"; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=\|s call" \
+    "$OUT/pytest_$n.log" | cut -c1-200; done ;;
+s31b)  # session 31: kernel B's routed gate_up on 2 output tiles a warp (tc_ot = 2: half the x loads a weight byte),
+  # alone, hi / lo, with kernel C on 4 row tiles, staged; the MoE layer at 65 / 128 tokens, alone; then its gpu tests
+  step moe_ot ${MOE_TIMEOUT:-330} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65,128 --sweep \
+    --jobs 12 --only "v2,v2 tc_ot2,v2 tc_ot2_hilo,v2 tc_rows4,v2 tc_ot2_rows4,v2 tc_ot2_st3,v2 tc_st4" \
+    --json "$OUT/moe-$day-moonlight-s31b.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_ot.log" | cut -c1-150
+  step ot ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_kernels_moe.py -k moonlight_tiles \
+    -p no:cacheprovider -rf
+  tail -n 3 "$OUT/ot.log" ;;
+s31c)  # session 31: Nsight Compute on the MoE layer at 65 tokens, the default against kernel B's gate_up on 2 output
+  # tiles a warp (tc_ot2) and kernel C's down on 4 row tiles (tc_rows4), both slower in s31b
+  NCU_TIMEOUT=${NCU_TIMEOUT:-450} ncu_moe 65 "v2 tc_ot2,v2 tc_rows4" ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

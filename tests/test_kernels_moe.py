@@ -537,6 +537,11 @@ V2_SIM_TILES.update(tc_kw1=replace(V2_SIM_TILES["tc"], tc_kw=1), tc2_kw1=replace
 # ... with the routed GEMMs' loads staged through shared memory (tc_st; their x hi / lo, D and I multiples of 8)
 V2_SIM_TILES.update(tc_st2=replace(V2_SIM_TILES["tc_hilo"], tc_st=2),
                     tc2_st3=replace(V2_SIM_TILES["tc2_hilo"], tc_st=3))
+# ... with kernel B's routed gate_up on 2 output tiles a warp (tc_ot): the second tile past I = 12 wholly; in row
+# groups (I = 40: the second group's second tile past I); staged
+V2_SIM_TILES.update(tc_ot2=replace(V2_SIM_TILES["tc"], tc_ot=2),
+                    tc2_ot2_kw1_hilo=replace(V2_SIM_TILES["tc2"], tc_ot=2, tc_kw=1, tc_hilo=True),
+                    tc_ot2_st2=replace(V2_SIM_TILES["tc_hilo"], tc_ot=2, tc_st=2))
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
 _V2_SKEW = dict(n_routed_experts=7, num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
@@ -572,6 +577,9 @@ V2_CASES = [
     (dict(_V2_GROUPED, hidden_size=40, moe_intermediate_size=24), BF16, 17, True, False, "tc_st2"),
     (dict(_V2_SKEW, hidden_size=40, moe_intermediate_size=16), BF16, 11, False, True, "tc2_st3"),
     (dict(_V2_SKEW, hidden_size=36), BF16, 11, False, True, "tc2_st3"),
+    (_V2_GROUPED, BF16, 17, True, False, "tc_ot2"),
+    (dict(_V2_SKEW, hidden_size=36, moe_intermediate_size=40), BF16, 11, False, True, "tc2_ot2_kw1_hilo"),
+    (dict(_V2_GROUPED, hidden_size=40, moe_intermediate_size=24), BF16, 17, True, False, "tc_ot2_st2"),
 ]
 
 
@@ -755,21 +763,24 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
 
 @pytest.mark.kernels
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,st", [(32, 3), (65, 4), (65, 5)])
-def test_moe_forward_moonlight_staged(rng, moonlight, M, st):
-    """Version 2 at Moonlight's shape, bf16, the routed GEMMs' loads staged through shared memory (tc_st, hi / lo
-    x), against float64."""
+@pytest.mark.parametrize("M,tiles", [
+    (32, dict(tc_hilo=True, tc_st=3)), (65, dict(tc_hilo=True, tc_st=4)), (65, dict(tc_hilo=True, tc_st=5)),
+    (65, dict(tc_ot=2)), (65, dict(tc_ot=2, tc_rt=4)), (32, dict(tc_ot=2, tc_hilo=True, tc_st=3))])
+def test_moe_forward_moonlight_tiles(rng, moonlight, M, tiles):
+    """Version 2 at Moonlight's shape, bf16, in tensor-core tiles the default does not take, against float64: the
+    routed GEMMs' loads staged through shared memory (tc_st, hi / lo x), kernel B's routed gate_up on 2 output tiles
+    a warp (tc_ot; with kernel C's down on 4 row tiles; staged)."""
     cfg, w, _ = moonlight
     layer, ref, scratch = _moonlight_layer(moonlight, BF16)
-    tiles = replace(moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size), tc_hilo=True,
-                    tc_st=st)
-    names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, tiles)]
-    assert names[1].endswith(f"_st{st}") and names[2].endswith(f"_st{st}"), names
+    t = replace(moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size), **tiles)
+    names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, t)]
+    assert not t.tc_st or f"_st{t.tc_st}" in names[1] and f"_st{t.tc_st}" in names[2], names  # (kernels B and C)
+    assert t.tc_ot == 1 or f"_ot{t.tc_ot}" in names[1], names
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))
-    moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, version=2, tiles=tiles)
+    moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, version=2, tiles=t)
     err = rel_err(out.copy_to_host(), ref(b.astype(np.float64)))
-    print(f"moonlight staged st={st} M={M}: rel_err {err:.2e}")
+    print(f"moonlight {tiles} M={M}: rel_err {err:.2e}")
     assert err < BF16_BOUND
     _check_v2_state(cfg, b, w, scratch, M)
 

@@ -1322,22 +1322,25 @@ def _tc_shared_block(sb, n, rows, M, split, pass_tokens):
 
 
 def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo: bool = False, kw: int = 0,
-                st: int = 0):
+                st: int = 0, ot: int = 1):
     """Device function ``gate_up(o0, W, e, X, start, end, rowsel, h)``: on tensor cores, for the tokens p in
     [start, end) (X row ``rowsel[p]`` with ``gather``, else p; X in layout ``xl``, kdt.kernels.tc), outputs [o0,
-    o0 + 16 nw / kw) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted (``hilo``: h is the uint16
-    view of the hi / lo layout); nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 outputs, the
-    kw warps of a group splitting the input dimension (kw = 0: one group of nw); st >= 2: the loads staged through
-    shared memory, st stages of one group (kdt.kernels.tc.warp_mm_staged). Every thread of the block calls it
-    (barriers)."""
+    o0 + 16 ot nw / kw) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted (``hilo``: h is the uint16
+    view of the hi / lo layout); nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 ot outputs
+    (ot output tiles a warp: its row tiles the ot gate tiles, then the ot matching up tiles, all on each x fragment
+    it loads), the kw warps of a group splitting the input dimension (kw = 0: one group of nw); st >= 2: the loads
+    staged through shared memory, st stages of one group (kdt.kernels.tc.warp_mm_staged). Every thread of the block
+    calls it (barriers)."""
     kw, KW, NRG = _row_groups(nw, kw)
-    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw, st)
+    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw, st, ot)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    NW, NT, NA, NP, GATHER, HILO = nw, nt, 2 * nt * 4, nt * 4, gather, hilo  # NP: gate (up) accumulators a lane
+    NW, NT, OT, GATHER, HILO = nw, nt, ot, gather, hilo
+    NA, NP, NG, NR, GR = 2 * ot * nt * 4, ot * nt * 4, 2 * ot, 4 * ot, TC_ROWS * ot  # NP gate (up) accumulators a
+    # lane; NG gate rows a lane (rows g and g + 8 of each gate tile), NR its rows; GR outputs a row group
     us = 1 if st else u  # (staged: one group a stage)
-    FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, 2, nt, st, us), tc.sm_dtype(st)
-    bmm = tc.block_mm(2, nt, us, xl, cs, nw, kw, st)
+    FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, 2 * ot, nt, st, us), tc.sm_dtype(st)
+    bmm = tc.block_mm(2 * ot, nt, us, xl, cs, nw, kw, st)
     total = tc.block_total_fn(st)
 
     def gate_up(o0, W, e, X, start, end, rowsel, h):
@@ -1347,16 +1350,14 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
         sm = cuda.shared.array(SM, SMT)
         frag = cuda.shared.array(FRAG, int64)
         acc = cuda.local.array(NA, float32)
-        rows = cuda.local.array(4, int64)
+        rows = cuda.local.array(NR, int64)
         xrows = cuda.local.array(NT, int64)
         I = W.shape[1] // 2
         Kwh = I // 4
-        if NRG == 1:
-            tc.tile_rows(rows, o0, I, g, 1)  # the gate rows, then the matching up rows
-        else:  # this warp's row group's 16 outputs
-            tc.tile_rows(rows, o0 + (warp // KW) * TC_ROWS, I, g, 1)
-        rows[2] = rows[0] + I
-        rows[3] = rows[1] + I
+        # the gate rows of this warp's row group's GR outputs, then the matching up rows
+        tc.tile_rows(rows, o0 + (warp // KW) * GR if NRG > 1 else o0, I, g, OT)
+        for i in range(NG):
+            rows[NG + i] = rows[i] + I
         for p0 in range(start, end, 8 * NT):
             for jt in range(NT):
                 p = min(p0 + 8 * jt + g, end - 1)
@@ -1367,7 +1368,7 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
                 gs = total(sm, i, lane, q * KW, KW)
                 us = total(sm, NP + i, lane, q * KW, KW)
                 p = p0 + tc.acc_col(i, NT, t)
-                o = o0 + q * TC_ROWS + tc.acc_row(i, NT, g)
+                o = o0 + q * GR + tc.acc_row(i, NT, g)
                 if p < end and o < I:
                     v = gs / (float32(1.0) + math.exp(-gs)) * us
                     if HILO:
@@ -1428,20 +1429,26 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, 
     return down
 
 
+def gate_up_rows(nw: int, kw: int, ot: int) -> int:
+    """Outputs of I a routed block of kernel B on tensor cores takes: nw / kw row groups of ot output tiles of 16."""
+    return TC_ROWS * ot * _row_groups(nw, kw)[2]
+
+
 def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool, split: bool = False,
-                     hilo: bool = False, kw: int = 0, st: int = 0):
+                     hilo: bool = False, kw: int = 0, st: int = 0, ot: int = 1):
     """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
-    ntg, outputs [G x, G x + G) of I, x = rb % ntg, G = 16 nw / kw (``_tc_gate_up``'s row groups; kw = 0: G = 16);
-    all the expert's tokens) and cdiv(D, 16 rt) shared-down blocks (rows [16 rt sb, 16 rt (sb + 1)) of D, all M
-    tokens; with ``split`` cdiv(M, 8 nt) times as many blocks, one pass of 8 nt tokens each), after the routed ones
-    or, with ``sd_first``, before them. ``hilo``: b_perm, h and h_shared in the hi / lo layout (b_perm and h_shared
-    read as uint64, h written as uint16). st: the routed gate_up's loads staged (``_tc_gate_up``)."""
-    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw, st)
+    ntg, outputs [G x, G x + G) of I, x = rb % ntg, G = 16 ot nw / kw (``_tc_gate_up``'s row groups of ot output
+    tiles; kw = 0: G = 16 ot); all the expert's tokens) and cdiv(D, 16 rt) shared-down blocks (rows [16 rt sb, 16 rt
+    (sb + 1)) of D, all M tokens; with ``split`` cdiv(M, 8 nt) times as many blocks, one pass of 8 nt tokens each),
+    after the routed ones or, with ``sd_first``, before them. ``hilo``: b_perm, h and h_shared in the hi / lo layout
+    (b_perm and h_shared read as uint64, h written as uint16). st: the routed gate_up's loads staged
+    (``_tc_gate_up``)."""
+    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw, st, ot)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    SDF, RS, SPLIT, PASS, G = sd_first, TC_ROWS * rt, split, 8 * nt, TC_ROWS * _row_groups(nw, kw)[2]
+    SDF, RS, SPLIT, PASS, G = sd_first, TC_ROWS * rt, split, 8 * nt, gate_up_rows(nw, kw, ot)
     xl = XL_HILO if hilo else XL_PERM
-    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw, st)
+    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw, st, ot)
     down = _tc_down(nw, rt, nt, u, cs_s, xl)
 
     def body(bid, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg,
@@ -1465,14 +1472,14 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
 
 def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
                        sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False,
-                       hilo: bool = False, tc_kw: int = 0, tc_st: int = 0):
+                       hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_ot: int = 1):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st)
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st, tc_ot)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if tc:
-        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw, tc_st)
+        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw, tc_st, tc_ot)
     else:
         body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
@@ -1484,8 +1491,9 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
     kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
                      f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
                      f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
-                     f"{f'_st{tc_st}' if tc_st else ''}")
-    k = cuda.jit(kern)
+                     f"{f'_st{tc_st}' if tc_st else ''}{f'_ot{tc_ot}' if tc_ot != 1 else ''}")
+    # 2 output tiles a warp: ptxas takes 130 registers (3 blocks an SM), at 128 (4 blocks) it spills 12 bytes
+    k = cuda.jit(kern, max_registers=128) if tc and tc_ot > 1 and not IS_SIM else cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
 
@@ -1745,7 +1753,10 @@ class V2Tiles:
     multiple of 8 (D and I), else it is dropped. Off: s27c's Nsight Compute had kernels B and C half their time
     waiting on loads, but at 65 tokens 2-5 stages (1-4 ahead) ran 602-677 us against 597 for the same hi / lo kernels
     unstaged and 575 for the default (session 30's s30b / s30c; that version issue-bound on its per-copy index
-    arithmetic, the copies at precomputed offsets since not yet timed): a warp's load depth alone does not help."""
+    arithmetic); its copies at precomputed offsets, 3 / 4 / 5 stages 581.5 / 563.8 / 577.2 us against 597.9 unstaged
+    and 575.0 for the default (session 31's s31a): a warp's load depth alone does not help much. tc_ot: the routed
+    gate_up's output tiles of 16 a warp (each a gate and an up row tile of 16, all on every x fragment the warp
+    loads: 1 / ot the x loads, from L2, a weight byte; ``gate_up_rows``)."""
 
     nw: int = 4
     nr: int = 4
@@ -1770,6 +1781,7 @@ class V2Tiles:
     tc_hilo: bool = False
     tc_kw: int = 0
     tc_st: int = 0
+    tc_ot: int = 1
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -1871,7 +1883,7 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     split, hilo, kw, st = bool(tcn) and t.tc_split, t.hilo(epw), t.tc_kw if tcn else 0, t.tc_st if tcn else 0
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
-                               kw, st),
+                               kw, st, t.tc_ot if tcn else 1),
             _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st))
 
 
@@ -1914,7 +1926,7 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         b, L._gate, L.bias, S.logits, x_out("b_perm"), sgu, x_out(hs), S.topk_idx, S.topk_w, S.counts, S.offsets,
         S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter, int(M), int(L.n_group),
         int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb)))
-    ntg = cdiv(I, TC_ROWS * _row_groups(t.nw, t.tc_kw)[2]) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
+    ntg = cdiv(I, gate_up_rows(t.nw, t.tc_kw, t.tc_ot)) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
     bb = V2Launch("B gate_up+shared_down", kb, J * ntg + nsd, t.nw * WARP, J * ntg, (
         x_in("b_perm"), L._gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts, S.sorted_rows, x_in(hs), sdn,
         S.y_shared, int(M), int(ntg), int(J)))
@@ -2450,6 +2462,7 @@ def _register() -> None:
               + [replace(v2_tiles(64, 8), tc_hilo=True), replace(v2_tiles(256, 8), tc_hilo=False)]  # x the other way
               + [replace(v2_tiles(M, 8), tc_kw=kw) for M in (64, 256) for kw in (1, 2)]  # row groups (tc_kw)
               + [replace(v2_tiles(64, 8), tc_hilo=True, tc_st=st) for st in (2, 4)]  # staged loads (tc_st)
+              + [replace(v2_tiles(64, 8), tc_ot=2), replace(v2_tiles(64, 8), tc_ot=2, tc_hilo=True, tc_st=3)]  # tc_ot
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
