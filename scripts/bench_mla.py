@@ -1,15 +1,16 @@
 """MLA kernels, v1 against v2 (kdt.kernels.mla), GPU time only, one table per model.
 
     python scripts/bench_mla.py [--presets moonlight-16b-a3b,kimi-k2] [--dtype bf16] [--json PATH]
-                                [--quick] [--kernels uv_project]
+                                [--quick] [--kernels uv_project] [--split-keys 32,64]
 
 Rows: q_absorb and uv_project at M = 1, 16, 64 (uv_project v2 on tensor cores from 16, "v2 fma" beside it); mla
-attention at M = 1, 16, 64 and L = 512, 8192 with
+attention at M = 1, 16, 64 and L = 512, 8192 (--L) with
   - "S(L)": the splits each version picks for that L (what kdt.kernels.bench times), L on the device;
   - "S(max)": the splits the engine uses (``mla_num_splits(max_len, M)``, max_len = 8192 + 64; most
     of them empty at L = 512), L on the device as in its CUDA graphs;
   - v2 "pf0"/"pf1" (S(max)): the other prefetch modes of the v2 attention tile loop (default pf2);
-  - v2 "S(max)/2": half the splits (what KDT_MLA_BLOCKS_PER_SM=1 would pick).
+  - v2 "S(max)/2": half the splits (what KDT_MLA_BLOCKS_PER_SM=1 would pick);
+  - v2 "S(max) kN" (``--split-keys``): at least N keys a split (what KDT_MLA_SPLIT_KEYS=N would pick).
 Timing: kdt.kernels.bench.time_us (a spin kernel holds the GPU while a batch is queued). "GB/s" and
 "% copy" count the bytes that must move once (weights, q/o, the cache [0, L+M)) against the
 device-to-device copy bandwidth measured in the same run; "x v1" is v1's time over this row's.
@@ -34,7 +35,7 @@ from kdt.kernels.bench import copy_bandwidth, rand, time_us  # noqa: E402
 MAX_LEN = 8192 + 64
 
 
-def rows(name: str, dtype: str, quick: bool):
+def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), Ls: tuple[int, ...] = (512, 8192)):
     """(kernel, shape, variant, callable, bytes) for one model."""
     cfg = preset(name)
     wdt = np.uint16 if dtype == "bf16" else np.float32
@@ -54,7 +55,7 @@ def rows(name: str, dtype: str, quick: bool):
                    lambda i, v=v, q=q, pos=pos, a=q_abs, p=q_pe: mla.q_absorb(q, kv_b, pos, cos, sin, True, a, p,
                                                                           version=v), nb)
         vis = cuda.to_device(np.tril(np.ones((M, M), np.uint8)))
-        for L in (512, 8192):
+        for L in Ls:
             T = L + M
             nb = 4 * (T * (Rkv + dr) + 2 * M * H * Rkv + M * H * dr)
             L_dev = cuda.to_device(np.array([L], np.int64))
@@ -68,12 +69,16 @@ def rows(name: str, dtype: str, quick: bool):
                     variants.append((f"v2 pf{pf} S(max)", 2, S, mla._attn2_params(H, Rkv, dr) + (pf,)))
                 if S > 1:  # one block per SM (KDT_MLA_BLOCKS_PER_SM=1): half the partials to combine
                     variants.append(("v2 S(max)/2", 2, S // 2, None))
+            S = mla.mla_num_splits(MAX_LEN, M, H, Rkv, dr, version=2)
+            variants += [(f"v2 S(max) k{km}", 2, S, ("keys", km)) for km in split_keys]
             for label, v, S, prm in variants:
                 scratch = cuda.device_array(max(1, mla.mla_scratch_size(M, H, Rkv, S)), np.float32)
 
                 def fn(i, v=v, S=S, sc=scratch, Ld=L_dev, a=q_abs, p=q_pe, o=o_lat, vis=vis, prm=prm):
                     if prm is None:
                         mla.mla_attention(a, p, c_kv, k_pe, Ld, vis, scale, o, scratch=sc, n_splits=S, version=v)
+                    elif prm[0] == "keys":  # a floor on a split's keys
+                        mla._mla_attention_v2(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, 0, split_keys=prm[1])
                     else:  # a v2 geometry other than the default (the prefetch mode)
                         mla._mla_attention_v2(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, 0, params=prm)
 
@@ -103,7 +108,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="skip the v2 prefetch-mode variants")
     ap.add_argument("--kernels", default=None, help="comma-separated kernels to time (q_absorb,attention,uv_project)")
+    ap.add_argument("--split-keys", default="", help="comma-separated floors on a v2 split's keys to time beside the "
+                    "default (KDT_MLA_SPLIT_KEYS)")
+    ap.add_argument("--L", default="512,8192", help="comma-separated prefix lengths of the attention rows")
     args = ap.parse_args(argv)
+    split_keys = tuple(int(x) for x in args.split_keys.split(",") if x)
     only = args.kernels.split(",") if args.kernels else None
     bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write); MLA_VERSION default = {mla.VERSION}")
@@ -112,7 +121,8 @@ def main(argv=None) -> int:
         print(f"-- {name} ({args.dtype} weights)")
         print(f"{'kernel':11s} {'shape':20s} {'variant':20s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s} {'x v1':>6s}")
         base = {}
-        for kernel, shape, variant, fn, nbytes in rows(name, args.dtype, args.quick):
+        for kernel, shape, variant, fn, nbytes in rows(name, args.dtype, args.quick, split_keys,
+                                                       tuple(int(x) for x in args.L.split(","))):
             if only and kernel not in only:
                 continue
             us = time_us(fn)

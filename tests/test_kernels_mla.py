@@ -94,32 +94,33 @@ def attention_inputs(rng, cfg, L: int, M: int, extra: int = 3):
 
 
 def run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=None, scratch=None, version=None,
-                  params=None, device_L=False):
+                  params=None, device_L=False, split_keys=None):
     """o_lat of mla_attention (``params``: a v2 geometry (G, A, NW, VPL, CG[, PF]) instead of the
-    default one; ``device_L``: L passed as a device scalar, as in the engine's CUDA graphs)."""
+    default one; ``device_L``: L passed as a device scalar, as in the engine's CUDA graphs; ``split_keys``: v2's
+    floor on a split's keys instead of mla.SPLIT_KEYS)."""
     M, H, Rkv = q_abs.shape
     o_d = cuda.to_device(poisoned((M, H, Rkv)))
     args = (cuda.to_device(q_abs), cuda.to_device(q_pe), cuda.to_device(c_kv), cuda.to_device(k_pe),
             cuda.to_device(np.array([L], np.int64)) if device_L else L, cuda.to_device(vis.astype(np.uint8)),
             scale, o_d)
-    if params is not None:
+    if params is not None or split_keys is not None:
         if scratch is None and n_splits is not None and n_splits > 1:  # NaN: a split read unwritten fails
             scratch = cuda.to_device(poisoned(mla.mla_scratch_size(M, H, Rkv, n_splits)))
-        mla._mla_attention_v2(*args, scratch, n_splits, 0, params=params)
+        mla._mla_attention_v2(*args, scratch, n_splits, 0, params=params, split_keys=split_keys)
     else:
         mla.mla_attention(*args, scratch=scratch, n_splits=n_splits, version=version)
     return o_d.copy_to_host()
 
 
 def check_attention(rng, cfg, L, M, n_splits=None, general_vis=False, version=None, params=None,
-                    device_L=False):
+                    device_L=False, split_keys=None):
     q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
     if general_vis:  # any pattern with a visible diagonal, e.g. rows that do not see slot L
         vis = rng.random((M, M)) < 0.5
         vis[np.arange(M), np.arange(M)] = True
         vis[1:, 0] = False
     o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=n_splits, version=version,
-                      params=params, device_L=device_L)
+                      params=params, device_L=device_L, split_keys=split_keys)
     ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
     err = rel_err(o, ref)
     assert err < F32_BOUND, (L, M, n_splits, version, params, err)
@@ -360,6 +361,17 @@ def test_mla_attention_v2_device_L_empty_splits(rng, L, M, n_splits):
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("L,M,n_splits,split_keys", [(40, 2, 9, 11), (40, 2, 9, 64), (2, 1, 9, 3), (40, 1, 25, 1)])
+def test_mla_attention_v2_split_keys(rng, L, M, n_splits, split_keys):
+    """v2 with a floor on a split's keys (mla.SPLIT_KEYS), as the engine calls it (L on the device, S splits from
+    max_len): fewer splits than S are written (40 + 2 keys: 4 splits of 12; one of 64; 3 keys one split; a floor
+    below a tile), and the combine must derive the same ones from the scratch, NaN-poisoned past them."""
+    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits, device_L=True, split_keys=split_keys)
+    check_attention(rng, micro_cfg(), L, M, n_splits=n_splits, general_vis=True, device_L=True,
+                    params=mla._attn2_params(2, 16, 4) + (0,), split_keys=split_keys)
+
+
+@pytest.mark.kernels
 @pytest.mark.parametrize("params", [
     (4, 2, 2, 1, 2, 0), (4, 2, 2, 1, 2, 1), (4, 2, 2, 1, 2, 2),  # prefetch modes
     (4, 2, 2, 2, 1, 2),  # VPL = 2 scores per lane (BT = 4), one column group
@@ -481,6 +493,16 @@ def test_mla_attention_gpu_v2_engine_splits(rng, H, L, M):
     check_attention(rng, cfg, L, M, n_splits=S, version=2, device_L=True)
     for pf in (0, 1):
         check_attention(rng, cfg, L, M, n_splits=S, device_L=True, params=mla._attn2_params(H, 512, 64) + (pf,))
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("split_keys", [32, 64, 128])
+@pytest.mark.parametrize("H,L,M", [(16, 0, 1), (16, 176, 1), (16, 512, 1), (16, 8192, 1), (16, 512, 16)])
+def test_mla_attention_gpu_v2_split_keys(rng, H, L, M, split_keys):
+    """v2 as the engine calls it (device L, splits from max_len = 8192 + 64) with a floor on a split's keys."""
+    S = mla.mla_num_splits(8192 + 64, M, H, version=2)
+    check_attention(rng, real_cfg(H), L, M, n_splits=S, device_L=True, split_keys=split_keys)
 
 
 @pytest.mark.gpu

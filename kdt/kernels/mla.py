@@ -794,6 +794,14 @@ MIN_KEYS_PER_SPLIT_V2 = 16  # two tiles of 8 keys
 # resident attention blocks per SM the v2 splits aim at (128 threads x 255 registers: 2 fit)
 BLOCKS_PER_SM_V2 = int(os.environ.get("KDT_MLA_BLOCKS_PER_SM", "2"))
 SPLITS_BY_WARPS = os.environ.get("KDT_MLA_SPLITS_BY_WARPS", "1") == "1"  # 0: session 10's splits (A/B)
+# the fewest keys a v2 split takes (0: none; kps below): the engine launches S = mla_num_splits(max_len, M) splits so
+# that its CUDA graphs never change, and at a short prefix each split gets one tile of BT keys, every one loading all
+# R heads' queries and writing R partials for the combine to read (M = 1, L = 512: 65 splits); with a floor, a
+# short prefix takes fewer, longer splits (kdt.kernels.mla section 6's kps = max(cdiv(L + M, S), SPLIT_KEYS)). Off:
+# measured slower (session 31's s31d, Moonlight, attention + combine at M = 1, L = 176 / 512 / 2048: 13.5 / 14.3 / 16.9
+# us without a floor, 14.6 / 15.1 / 17.6 with 16 keys, 17.0 / 17.7 / 18.6 with 32, 35-36 with 128; ties at M = 16 / 64
+# up to 32): a block's walk over more tiles costs more than the queries it reloads and the partials it writes
+SPLIT_KEYS = int(os.environ.get("KDT_MLA_SPLIT_KEYS", "0"))
 
 
 def _attn2_blocks_per_sm(NW: int) -> int:
@@ -863,8 +871,17 @@ def _attn2_geometry(Rkv, dr, G, A, NW, VPL, CG) -> dict:
                 LOGG=int(round(math.log2(G))), XB=NT if IS_SIM else 1)
 
 
+def _split_keys(s, KM: int) -> None:
+    """Emit ``kps``, the keys of a split, as the v2 attention and its combine both derive it from T = L + M and
+    the S splits of the launch: cdiv(T, S), at least KM (0: no floor), rounded up to whole tiles of BT."""
+    s("kps = (T + S - 1) // S")
+    if KM:
+        s(f"kps = max(kps, {KM})")
+    s("kps = (kps + BT - 1) // BT * BT")
+
+
 def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW, CPT, GS, V, PEP, NLC,
-                  NLP, LOGG, PF, **_) -> str:
+                  NLP, LOGG, PF, KM=0, **_) -> str:
     """Python source of the v2 attention kernel (see the section comment), loops written out.
 
     PF (how the next key tile's global loads overlap this tile's compute): 0 = none (loads at the top
@@ -942,8 +959,7 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
         s("S = cuda.gridDim.z")
         s("L = L_dev[0]")
         s("T = L + M")
-        s("kps = (T + S - 1) // S")
-        s("kps = (kps + BT - 1) // BT * BT")
+        _split_keys(s, KM)
         s("t_lo = sp * kps")
         with s.block("if t_lo >= T:"):
             s("return")
@@ -1102,20 +1118,21 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
 
 
 @functools.cache
-def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG: int, PF: int = 2):
-    """The v2 attention kernel (cached per geometry); ``.geom`` holds its constants."""
+def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG: int, PF: int = 2, KM: int = 0):
+    """The v2 attention kernel (cached per geometry; KM: the split keys' floor, ``split_keys``); ``.geom`` holds its
+    constants."""
     g = _attn2_geometry(Rkv, dr, G, A, NW, VPL, CG)
     sk = (2, g["BT"], g["FP"]) if PF == 2 else (g["BT"], g["FP"])
     ns = dict(g, cuda=cuda, float32=float32, uint64=uint64, math=math, NEG_INF=NEG_INF, shfl=_shfl_xor, DR=dr,
               RS=Rkv + 2, UDR=np.uint64(dr), URKV=np.uint64(Rkv), SK_SHAPE=sk, SP_SHAPE=(g["BT"], g["R"] + 1),
               SML_SHAPE=(2, g["R"]))
     ns.update({f"U{i}": np.uint64(i) for i in range(max(g["FP"], g["R"]) + 1)})
-    k = jit_source(_attn2_source(PF=PF, **g), "mla_attention2", ns, __name__)
+    k = jit_source(_attn2_source(PF=PF, KM=KM, **g), "mla_attention2", ns, __name__)
     k.geom = g
     return k
 
 
-def _combine2_source(G, NWC, CPC, US, **_) -> str:
+def _combine2_source(G, NWC, CPC, US, KM=0, **_) -> str:
     s = Src()
     with s.block("def mla_combine2(part, S, L_dev, o_lat):"):
         s('"""v2 flash-decoding combine. part as written by the v2 attention (only its ne non-empty')
@@ -1134,8 +1151,7 @@ def _combine2_source(G, NWC, CPC, US, **_) -> str:
         s("Rkv = o_lat.shape[2]")
         s("RS = Rkv + 2")
         s("T = L_dev[0] + M")
-        s("kps = (T + S - 1) // S")
-        s("kps = (kps + BT - 1) // BT * BT")
+        _split_keys(s, KM)
         s("ne = (T + kps - 1) // kps")
         s("base0 = (m * H + h) * S * RS")
         s("wts = cuda.shared.array(MAXS, float32)")
@@ -1187,14 +1203,14 @@ def _combine2_source(G, NWC, CPC, US, **_) -> str:
 
 
 @functools.cache
-def _combine2_kernel(BT: int, G: int, NWC: int, CPC: int):
+def _combine2_kernel(BT: int, G: int, NWC: int, CPC: int, KM: int = 0):
     US = 2 if IS_SIM else max(1, 8 // CPC)  # splits in flight per lane (x CPC columns)
     NT, CW = NWC * G, G * CPC
     if NT & (NT - 1):
         raise ValueError(f"combine block {NT} must be a power of two")
     ns = dict(cuda=cuda, float32=float32, math=math, NEG_INF=NEG_INF, tree_reduce=_tree_reduce, BT=BT, G=G,
               NWC=NWC, CPC=CPC, US=US, NT=NT, CW=CW, MAXS=MAX_SPLITS_V2, RED2_SHAPE=(NWC, CW))
-    k = jit_source(_combine2_source(G=G, NWC=NWC, CPC=CPC, US=US), "mla_combine2", ns, __name__)
+    k = jit_source(_combine2_source(G=G, NWC=NWC, CPC=CPC, US=US, KM=KM), "mla_combine2", ns, __name__)
     k.threads, k.cols = NT, CW
     return k
 
@@ -1216,21 +1232,22 @@ def _combine2_config(S: int, M: int, H: int, Rkv: int) -> tuple[int, int, int]:
     return G, NWC, nch // chunks
 
 
-def _mla_combine_v2(part, S: int, L_dev, o_lat, BT: int, stream=0) -> None:
+def _mla_combine_v2(part, S: int, L_dev, o_lat, BT: int, stream=0, km: int = 0) -> None:
     M, H, Rkv = o_lat.shape
     if not 1 <= S <= MAX_SPLITS_V2:
         raise ValueError(f"n_splits={S} outside [1, {MAX_SPLITS_V2}]")
     G, NWC, CPC = _combine2_config(S, M, H, Rkv)
-    k = _combine2_kernel(BT, G, NWC, CPC)
+    k = _combine2_kernel(BT, G, NWC, CPC, km)
     k[(Rkv // k.cols, H, M), k.threads, stream](part, np.int64(S), L_dev, o_lat)
 
 
 def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream,
-                      params=None) -> None:
+                      params=None, split_keys: int | None = None) -> None:
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     prm = params or _attn2_params(H, Rkv, dr)
-    k = _attention2_kernel(Rkv, dr, *prm)
+    km = SPLIT_KEYS if split_keys is None else int(split_keys)
+    k = _attention2_kernel(Rkv, dr, *prm, **({"KM": km} if km else {}))
     g = k.geom
     if isinstance(L, (int, np.integer)):
         T = int(L) + M
@@ -1254,7 +1271,7 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
     k[(cdiv(H, g["R"]), M, S), g["NT"], stream](q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis,
                                                 np.float32(scale), o_lat, part)
     if S > 1:
-        _mla_combine_v2(part, S, L_dev, o_lat, g["BT"], stream=stream)
+        _mla_combine_v2(part, S, L_dev, o_lat, g["BT"], stream=stream, km=km)
 
 
 # v2 q_absorb ------------------------------------------------------------------------------------------
