@@ -1247,7 +1247,7 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
     dr = q_pe.shape[2]
     prm = params or _attn2_params(H, Rkv, dr)
     km = SPLIT_KEYS if split_keys is None else int(split_keys)
-    k = _attention2_kernel(Rkv, dr, *prm, **({"KM": km} if km else {}))
+    k = _attention2_kernel(Rkv, dr, *prm, KM=km)
     g = k.geom
     if isinstance(L, (int, np.integer)):
         T = int(L) + M
