@@ -1,7 +1,7 @@
 """MLA kernels, v1 against v2 (kdt.kernels.mla), GPU time only, one table per model.
 
     python scripts/bench_mla.py [--presets moonlight-16b-a3b,kimi-k2] [--dtype bf16] [--json PATH]
-                                [--quick] [--kernels uv_project] [--split-keys 32,64]
+                                [--quick] [--kernels uv_project] [--split-keys 32,64] [--M 16,64,256] [--tc]
 
 Rows: q_absorb and uv_project at M = 1, 16, 64 (uv_project v2 on tensor cores from 16, "v2 fma" beside it); mla
 attention at M = 1, 16, 64 and L = 512, 8192 (--L) with
@@ -10,7 +10,10 @@ attention at M = 1, 16, 64 and L = 512, 8192 (--L) with
     of them empty at L = 512), L on the device as in its CUDA graphs;
   - v2 "pf0"/"pf1" (S(max)): the other prefetch modes of the v2 attention tile loop (default pf2);
   - v2 "S(max)/2": half the splits (what KDT_MLA_BLOCKS_PER_SM=1 would pick);
-  - v2 "S(max) kN" (``--split-keys``): at least N keys a split (what KDT_MLA_SPLIT_KEYS=N would pick).
+  - v2 "S(max) kN" (``--split-keys``): at least N keys a split (what KDT_MLA_SPLIT_KEYS=N would pick);
+  - v2 "tc S(max)" (``--tc``): on tensor cores (kdt.kernels.attn_tc, KDT_MLA_ATTN_TC_M) with the engine's splits
+    were it on (2 m-tiles of 16 rows a block, 4 warps each), "tc nm1" one m-tile of 8 warps, "tc nm1 cap" the same
+    capped at 128 registers (2 blocks an SM).
 Timing: kdt.kernels.bench.time_us (a spin kernel holds the GPU while a batch is queued). "GB/s" and
 "% copy" count the bytes that must move once (weights, q/o, the cache [0, L+M)) against the
 device-to-device copy bandwidth measured in the same run; "x v1" is v1's time over this row's.
@@ -29,13 +32,24 @@ from numba import cuda
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kdt.config import preset  # noqa: E402
-from kdt.kernels import mla  # noqa: E402
+from kdt.kernels import attn_tc, mla  # noqa: E402
 from kdt.kernels.bench import copy_bandwidth, rand, time_us  # noqa: E402
 
 MAX_LEN = 8192 + 64
 
 
-def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), Ls: tuple[int, ...] = (512, 8192)):
+def _attention_tc(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, scratch, S: int, BC: int, regs: int, NM: int,
+                  NWK: int) -> None:
+    """Version 2's attention on tensor cores (kdt.kernels.attn_tc): BC keys a tile, a register cap (0: none), NM
+    m-tiles a block of NWK warps each."""
+    BT = attn_tc.attention(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, scratch, S, BC=BC, regs=regs, NM=NM,
+                           NWK=NWK)
+    if S > 1:
+        mla._mla_combine_v2(scratch, S, L_dev, o_lat, BT)
+
+
+def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), Ls: tuple[int, ...] = (512, 8192),
+         Ms: tuple[int, ...] = (1, 16, 64), tc: bool = False):
     """(kernel, shape, variant, callable, bytes) for one model."""
     cfg = preset(name)
     wdt = np.uint16 if dtype == "bf16" else np.float32
@@ -46,7 +60,7 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
     c_kv, k_pe = rand((MAX_LEN, Rkv)), rand((MAX_LEN, dr))
     cos, sin = (cuda.to_device(t) for t in mla.rope_tables(cfg, MAX_LEN))
     scale = cfg.softmax_scale
-    for M in (1, 16, 64):
+    for M in Ms:
         q, pos = rand((M, H * (dn + dr))), cuda.to_device(np.arange(M, dtype=np.int64))
         q_abs, q_pe, o_lat = rand((M, H, Rkv)), rand((M, H, dr)), cuda.device_array((M, H, Rkv), np.float32)
         nb = H * dn * Rkv * wb + 4 * M * H * (dn + dr + Rkv + dr)
@@ -71,12 +85,19 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
                     variants.append(("v2 S(max)/2", 2, S // 2, None))
             S = mla.mla_num_splits(MAX_LEN, M, H, Rkv, dr, version=2)
             variants += [(f"v2 S(max) k{km}", 2, S, ("keys", km)) for km in split_keys]
+            if tc and attn_tc.supports(H, Rkv, dr):  # on tensor cores, the engine's splits were it on
+                S, S1 = attn_tc.num_splits(MAX_LEN, M, H), attn_tc.num_splits(MAX_LEN, M, H, NM=1)
+                variants += [("v2 tc S(max)", 2, S, ("tc", 16, 0, 2, 4)),
+                             ("v2 tc nm1 S(max)", 2, S1, ("tc", 16, 0, 1, 8)),
+                             ("v2 tc nm1 cap S(max)", 2, S1, ("tc", 16, 128, 1, 8))]
             for label, v, S, prm in variants:
                 scratch = cuda.device_array(max(1, mla.mla_scratch_size(M, H, Rkv, S)), np.float32)
 
                 def fn(i, v=v, S=S, sc=scratch, Ld=L_dev, a=q_abs, p=q_pe, o=o_lat, vis=vis, prm=prm):
                     if prm is None:
                         mla.mla_attention(a, p, c_kv, k_pe, Ld, vis, scale, o, scratch=sc, n_splits=S, version=v)
+                    elif prm[0] == "tc":  # on tensor cores (BC, register cap)
+                        _attention_tc(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, *prm[1:])
                     elif prm[0] == "keys":  # a floor on a split's keys
                         mla._mla_attention_v2(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, 0, split_keys=prm[1])
                     else:  # a v2 geometry other than the default (the prefetch mode)
@@ -111,6 +132,12 @@ def main(argv=None) -> int:
     ap.add_argument("--split-keys", default="", help="comma-separated floors on a v2 split's keys to time beside the "
                     "default (KDT_MLA_SPLIT_KEYS)")
     ap.add_argument("--L", default="512,8192", help="comma-separated prefix lengths of the attention rows")
+    ap.add_argument("--M", default="1,16,64", help="comma-separated token counts")
+    ap.add_argument("--only", default=None, help="comma-separated variants to run (their labels before '=')")
+    ap.add_argument("--ncu", action="store_true", help="no timing: each row once, then once in a profiled range "
+                    "(ncu --profile-from-start off)")
+    ap.add_argument("--tc", action="store_true", help="time the attention on tensor cores (kdt.kernels.attn_tc) "
+                    "beside version 2's FMA kernel, with and without its register cap")
     args = ap.parse_args(argv)
     split_keys = tuple(int(x) for x in args.split_keys.split(",") if x)
     only = args.kernels.split(",") if args.kernels else None
@@ -122,8 +149,19 @@ def main(argv=None) -> int:
         print(f"{'kernel':11s} {'shape':20s} {'variant':20s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s} {'x v1':>6s}")
         base = {}
         for kernel, shape, variant, fn, nbytes in rows(name, args.dtype, args.quick, split_keys,
-                                                       tuple(int(x) for x in args.L.split(","))):
-            if only and kernel not in only:
+                                                       tuple(int(x) for x in args.L.split(",")),
+                                                       tuple(int(x) for x in args.M.split(",")), args.tc):
+            if (only and kernel not in only) or (args.only and variant.split("=")[0] not in args.only.split(",")):
+                continue
+            if args.ncu:
+                for profiled in (False, True):
+                    if profiled:
+                        cuda.profile_start()
+                    fn(0)
+                    cuda.synchronize()
+                    if profiled:
+                        cuda.profile_stop()
+                print(f"{kernel} {shape} {variant}: profiled", flush=True)
                 continue
             us = time_us(fn)
             gbs = nbytes / us * 1e-3

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1282,7 +1282,34 @@ s31d)  # session 31: the v2 attention with a floor on a split's keys (KDT_MLA_SP
   wait
   for n in keys tiles; do echo "pytest $n:"; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_$n.log" \
     | cut -c1-200; done ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d"; exit 2 ;;
+s32a)  # session 32: version 2's attention on tensor cores (kdt.kernels.attn_tc): its gpu tests, then attention + combine
+  # at M = 16 / 64 / 128 / 256, L = 512 / 8192 beside the FMA kernel (Moonlight), alone
+  tparts 240 tc tests/test_kernels_mla.py -k attention_tc
+  wait
+  echo "pytest tc:"; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=\|Error" "$OUT/pytest_tc.log" | cut -c1-300
+  step mla_tc ${MLA_TIMEOUT:-300} python3 scripts/bench_mla.py --presets moonlight-16b-a3b --kernels attention \
+    --quick --tc --M 16,64,128,256 --L 512,8192 --json "$OUT/mla-$day-moonlight-tc-s32a.json"
+  grep -h "attention\|Error\|error" "$OUT/mla_tc.log" | grep -v "v1 " | cut -c1-110 ;;
+s32b)  # session 32: Nsight Compute of the attention on tensor cores against version 2's FMA kernel (Moonlight, M = 64,
+  # L = 8192): throughput, warp stalls, pipes, occupancy
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -n 1)
+  step ncu_attn ${NCU_TIMEOUT:-300} "$ncu" --clock-control none --profile-from-start off --section SpeedOfLight \
+    --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats \
+    python3 scripts/bench_mla.py --presets moonlight-16b-a3b --kernels attention --quick --tc --M 64 --L 8192 \
+    --only "v2 S(max),v2 tc S(max),v2 tc bc32 S(max)" --ncu
+  grep -v "^==PROF==\|^ *$\|----" "$OUT/ncu_attn.log" | cut -c1-150 | head -300 ;;
+s32c)  # session 32, issue 7: kdt bench on the Moonlight shape with the attention on tensor cores from 128 tokens (the
+  # verify rows of 128 / 256 nodes, the prefill rows), alone
+  step bench_moonlight ${BENCH_TIMEOUT:-420} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s32c.json"
+  tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
+s32d)  # session 32: the greedy invariant (200 trials, 4 drafters, budgets to 128) and kdt verify (tiny fp32, model_code
+  # bf16) with the attention on tensor cores from 16 tokens (KDT_MLA_ATTN_TC_M=16: every tree verify of 16+ nodes)
+  export KDT_MLA_ATTN_TC_M=${KDT_MLA_ATTN_TC_M:-16}
+  tparts 230 invariant tests/test_engine_cuda.py -k "invariant_200 or graph_replay" --durations=0
+  verify_beside_tparts 200 1 invariant ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -594,3 +594,72 @@ def test_mla_chain_gpu_vs_naive(rng):
     cfg = real_cfg(16)
     o, refs, args = run_chain(rng, cfg, 300, 16, "f32", True)
     assert rel_err(o, ops.mla_attention_naive(*args).reshape(o.shape)) < F32_BOUND
+
+
+# ---- version 2 on tensor cores (kdt.kernels.attn_tc) ---------------------------------------------------------------
+# products of float32 split into bf16 hi + lo, three mma a product (hi hi, hi lo, lo hi): ~2^-17 of a product where
+# float32 FMAs have 2^-24; measured 3-7e-6 at the simulator's shapes, 2.7e-5 at Moonlight's L = 8192 (session 32,
+# s32a). Without the lo terms a kernel is at bf16's ~2^-9, a hundred times past the bound
+TC_BOUND = 5e-5
+
+
+def check_attention_tc(rng, cfg, L, M, S, general_vis=False, device_L=True, bound=TC_BOUND):
+    """attn_tc against the float64 reference: S splits (S > 1: NaN-poisoned partials, the version 2 combine)."""
+    q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
+    if general_vis:
+        vis = rng.random((M, M)) < 0.5
+        vis[np.arange(M), np.arange(M)] = True
+    H, Rkv = cfg.num_attention_heads, cfg.kv_lora_rank
+    o_d = cuda.to_device(poisoned((M, H, Rkv)))
+    scratch = cuda.to_device(poisoned(max(1, mla.mla_scratch_size(M, H, Rkv, S))))
+    Lx = cuda.to_device(np.array([L], np.int64)) if device_L else L
+    mla._mla_attention_v2(cuda.to_device(q_abs), cuda.to_device(q_pe), cuda.to_device(c_kv), cuda.to_device(k_pe), Lx,
+                          cuda.to_device(vis.astype(np.uint8)), scale, o_d, scratch, S, 0, on_tc=True)
+    ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
+    err = rel_err(o_d.copy_to_host(), ref)
+    assert err < bound, (L, M, S, err)
+    return err
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("L,M,S", [(0, 3, 1), (21, 5, 1), (40, 5, 3), (7, 2, 4)])
+def test_mla_attention_tc(rng, L, M, S):
+    """model_code's attention shape (H = 4, Rkv = 64, dr = 16: 5 feature steps over 4 warps, 3 of them zero), 16-key
+    tiles, blocks of 2 m-tiles: M H = 20 rows (the second m-tile partly past M H), a last tile partly past L + M,
+    empty splits (L = 7, M = 2: one tile, 3 of 4 splits empty), 3 splits of one tile, an unsplit prefix of 26 keys."""
+    check_attention_tc(rng, code_cfg(), L, M, S)
+
+
+@pytest.mark.kernels
+def test_mla_attention_tc_general_vis(rng):
+    """Visibility that is no tree (a row may see a later slot, not see slot L) over 2 splits."""
+    check_attention_tc(rng, code_cfg(), 9, 6, 2, general_vis=True)
+
+
+def test_mla_attention_tc_dispatch(monkeypatch):
+    """KDT_MLA_ATTN_TC_M: version 2's splits (and so the engine's scratch) follow the tensor-core kernel from that M on,
+    for shapes it takes; off (0) they are the FMA kernel's."""
+    from kdt.kernels import attn_tc
+
+    monkeypatch.setattr(attn_tc, "TC_MIN_M", 16)
+    assert mla.mla_num_splits(8192, 64, 16, version=2) == attn_tc.num_splits(8192, 64, 16)
+    assert attn_tc.num_splits(8192, 64, 16) == 8  # 32 blocks of 32 rows, 2 blocks an SM on 132 SMs
+    assert attn_tc.num_splits(8192, 256, 16) == 2
+    assert attn_tc.num_splits(50, 64, 16) == 1 and attn_tc.num_splits(100, 64, 16) == 2  # 114, 164 keys: 128 a split
+    assert not attn_tc.uses_tc(8, 16, 512, 64) and not attn_tc.uses_tc(64, 2, 16, 4)  # M < 16; Rkv % 64
+    monkeypatch.setattr(attn_tc, "TC_MIN_M", 0)
+    assert not attn_tc.uses_tc(64, 16, 512, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("H,L,M", [(16, 0, 16), (16, 512, 16), (16, 8192, 64), (16, 512, 256), (16, 8192, 256),
+                                   (64, 512, 16), (64, 8192, 64), (4, 100, 17)])
+def test_mla_attention_tc_gpu(rng, H, L, M):
+    """On tensor cores at real shapes, as the engine calls it (device L, splits from max_len = 8192 + 256), and in
+    one split."""
+    from kdt.kernels import attn_tc
+
+    cfg = real_cfg(H)
+    check_attention_tc(rng, cfg, L, M, attn_tc.num_splits(8192 + 256, M, H))
+    check_attention_tc(rng, cfg, L, M, 1)

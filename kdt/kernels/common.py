@@ -322,12 +322,31 @@ class Src:
         return "\n".join(self.lines) + "\n"
 
 
-def jit_source(src: str, name: str, namespace: dict, origin: str):
+def jit_source(src: str, name: str, namespace: dict, origin: str, **jit_options):
     """exec generated kernel source (``origin``: the generating module, for tracebacks through
-    linecache; the file name carries a stable digest of the source) and cuda.jit its function ``name``."""
+    linecache; the file name carries a stable digest of the source) and cuda.jit its function ``name``
+    (with ``jit_options``, e.g. max_registers)."""
     filename = f"<{origin} generated {name} {hashlib.sha1(src.encode()).hexdigest()[:12]}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     ns = dict(namespace)
     ns.setdefault(WAIT_NAME, grid_dependency_wait)
     exec(compile(src, filename, "exec"), ns)  # noqa: S102 - our own generated source
-    return cuda.jit(ns[name])
+    return cuda.jit(ns[name], **jit_options)
+
+
+def allow_dynamic_shared(kernel, args, nbytes: int) -> None:
+    """Let ``kernel`` (a dispatcher) launched with ``args`` take nbytes of dynamic shared memory: past 48 KB a
+    function needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (compiles the kernel for these argument types;
+    set once per dispatcher and types). A no-op under the simulator."""
+    if IS_SIM or nbytes <= 48 * 1024:
+        return
+    done = kernel.__dict__.setdefault("_kdt_dyn_shared", {})
+    types = tuple(kernel.typeof_pyval(a) for a in args)
+    if done.get(types, 0) >= nbytes:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    fn = kernel.compile(types)._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, int(nbytes), fn.handle, fn.device.id)
+    done[types] = nbytes

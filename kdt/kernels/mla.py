@@ -8,7 +8,8 @@ For M query tokens of one layer against that layer's latent cache ``c_kv_cache[m
 2. :func:`q_absorb`         q[M, H*(dn+dr)] -> q_abs[M, H, Rkv] = q_nope @ W_uk[h], q_pe[M, H, dr] = rope.
    (:func:`latent_write_and_absorb`: 1 and 2, in one launch with ``FUSE_KV``.)
 3. :func:`mla_attention`    (q_abs, q_pe) x cache slots [0, L+M) -> o_lat[M, H, Rkv]; fp32 online softmax,
-                            flash-decoding splits + :func:`mla_combine` for long prefixes.
+                            flash-decoding splits + :func:`mla_combine` for long prefixes (version 2 from
+                            kdt.kernels.attn_tc.TC_MIN_M tokens: on tensor cores, kdt.kernels.attn_tc).
 4. :func:`uv_project`       o_lat[M, H, Rkv] -> o[M, H*dv] = W_uv[h] @ o_lat[m, h].
 
 ``kv_b`` is ``kv_b_proj.weight[H*(dn+dv), Rkv]`` (float32, or bf16 stored as uint16);
@@ -564,6 +565,10 @@ def mla_num_splits(L: int, M: int, H: int, Rkv: int = 512, dr: int = 64, version
     BLOCKS_PER_SM_V2 blocks per SM, at least MIN_KEYS_PER_SPLIT_V2 keys per split, at most
     MAX_SPLITS_V2 (the engine passes max_len as L: splits past the device L stay empty)."""
     if _version(version) == 2:
+        from kdt.kernels import attn_tc  # (it builds on this module)
+
+        if attn_tc.uses_tc(M, H, Rkv, dr):
+            return attn_tc.num_splits(L, M, H)
         _, A2, NW2, _, _ = _attn2_params(H, Rkv, dr)
         # whole waves: as many splits as fit beside each other (M=64 on 264 slots: 4 splits, 256
         # blocks, not 5 = 320 blocks = a second wave of 56); BLOCKS_PER_SM_V2 counts 4-warp blocks
@@ -880,6 +885,30 @@ def _split_keys(s, KM: int) -> None:
     s("kps = (kps + BT - 1) // BT * BT")
 
 
+def online_softmax(s, scores: list[str], span: int, shfl) -> None:
+    """Emit one key tile's online-softmax step (fp32) of a row whose scores (masked: NEG_INF) ``span`` lanes hold,
+    ``scores`` each (``shfl(v, off)``: the source of lane ^ off's v): the tile's row max ``mx``, ``m_new``, the rescale
+    ``alpha`` of the running sums, ``p_i = exp(score_i - m_new)`` (zeros while every key so far is masked) and their row
+    sum ``ps``; updates ``l_run`` and ``m_run`` (version 2's attention and kdt.kernels.attn_tc)."""
+    offs = [1 << i for i in reversed(range(span.bit_length() - 1))]
+    s("mx = " + (f"max({', '.join(scores)})" if len(scores) > 1 else scores[0]))
+    for off in offs:
+        s(f"mx = max(mx, {shfl('mx', off)})")
+    s("m_new = max(m_run, mx)")
+    s("alpha = float32(1.0)")
+    for i in range(len(scores)):
+        s(f"p_{i} = float32(0.0)")
+    with s.block("if m_new != NEG_INF:"):
+        s("alpha = math.exp(m_run - m_new)  # exp(-inf) = 0 on the first visible tile")
+        for i, v in enumerate(scores):
+            s(f"p_{i} = math.exp({v} - m_new)")
+    s("ps = " + " + ".join(f"p_{i}" for i in range(len(scores))))
+    for off in offs:
+        s(f"ps += {shfl('ps', off)}")
+    s("l_run = l_run * alpha + ps")
+    s("m_run = m_new")
+
+
 def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW, CPT, GS, V, PEP, NLC,
                   NLP, LOGG, PF, KM=0, **_) -> str:
     """Python source of the v2 attention kernel (see the section comment), loops written out.
@@ -1046,26 +1075,7 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
             for i in range(VPL):
                 s(f"t = t0 + jj * {VPL} + {i}")
                 s(f"s_{i} = {vals[i]} if (t < t_hi and (t < L or vis[m, t - L] != 0)) else NEG_INF")
-            s("mt = " + ("max(" + ", ".join(f"s_{i}" for i in range(VPL)) + ")" if VPL > 1 else "s_0"))
-            off = GS // 2
-            while off >= 1:
-                s(f"mt = max(mt, shfl(xbuf, tid, mt, {off}))")
-                off //= 2
-            s("m_new = max(m_run, mt)")
-            s("alpha = float32(1.0)")
-            for i in range(VPL):
-                s(f"p_{i} = float32(0.0)")
-            with s.block("if m_new != NEG_INF:"):
-                s("alpha = math.exp(m_run - m_new)  # exp(-inf) = 0 on the first visible tile")
-                for i in range(VPL):
-                    s(f"p_{i} = math.exp(s_{i} - m_new)")
-            s("ps = " + " + ".join(f"p_{i}" for i in range(VPL)))
-            off = GS // 2
-            while off >= 1:
-                s(f"ps += shfl(xbuf, tid, ps, {off})")
-                off //= 2
-            s("l_run = l_run * alpha + ps")
-            s("m_run = m_new")
+            online_softmax(s, [f"s_{i}" for i in range(VPL)], GS, lambda v, off: f"shfl(xbuf, tid, {v}, {off})")
             for i in range(VPL):
                 s(f"sP[jj * {VPL} + {i}, row_me] = p_{i}")
             with s.block("if jj == 0:"):
@@ -1242,13 +1252,18 @@ def _mla_combine_v2(part, S: int, L_dev, o_lat, BT: int, stream=0, km: int = 0) 
 
 
 def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream,
-                      params=None, split_keys: int | None = None) -> None:
+                      params=None, split_keys: int | None = None, on_tc: bool | None = None) -> None:
+    """Version 2's attention: on tensor cores (kdt.kernels.attn_tc) where ``on_tc`` (default attn_tc.uses_tc, when
+    no other geometry or split-keys floor is asked for), else the FMA kernel of this section."""
+    from kdt.kernels import attn_tc  # (it builds on this module)
+
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
-    prm = params or _attn2_params(H, Rkv, dr)
     km = SPLIT_KEYS if split_keys is None else int(split_keys)
-    k = _attention2_kernel(Rkv, dr, *prm, KM=km)
-    g = k.geom
+    if on_tc is None:
+        on_tc = params is None and km == 0 and attn_tc.uses_tc(M, H, Rkv, dr)
+    if not on_tc:
+        k = _attention2_kernel(Rkv, dr, *(params or _attn2_params(H, Rkv, dr)), KM=km)
     if isinstance(L, (int, np.integer)):
         T = int(L) + M
         S = mla_num_splits(int(L), M, H, Rkv, dr, version=2) if n_splits is None else int(n_splits)
@@ -1268,10 +1283,14 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
         part = scratch
     else:
         part = _dummy_part()
-    k[(cdiv(H, g["R"]), M, S), g["NT"], stream](q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis,
-                                                np.float32(scale), o_lat, part)
+    if on_tc:
+        BT = attn_tc.attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, part, S, stream=stream)
+    else:
+        BT = k.geom["BT"]
+        k[(cdiv(H, k.geom["R"]), M, S), k.geom["NT"], stream](q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis,
+                                                              np.float32(scale), o_lat, part)
     if S > 1:
-        _mla_combine_v2(part, S, L_dev, o_lat, g["BT"], stream=stream, km=km)
+        _mla_combine_v2(part, S, L_dev, o_lat, BT, stream=stream, km=0 if on_tc else km)
 
 
 # v2 q_absorb ------------------------------------------------------------------------------------------

@@ -213,6 +213,142 @@ else:
         return _WAITS[n]
 
 
+# ---- ldmatrix: a warp's four 8 x 8 bf16 matrices from shared memory, as mma fragments --------------------------------
+# On the GPU one instruction at a 32-bit shared address plus an immediate (smem_at("ldsm" | "ldsm_t", imm) below: the
+# lane's address is that of row (lane & 7) + 8 ((lane >> 3) & 1) of the tile, column 8 (lane >> 4)); under the
+# simulator ldsm_x4(P, r0, c0, lane) / ldsm_x4_t(..) (transposed): P a shared uint32 array [rows, words] of bf16 pairs
+# (element 2 w in the low half of word w), the warp's 16 x 16 element tile at rows r0 .., element columns c0 ..
+# (warp-uniform; c0 a multiple of 8, P's row a multiple of 16 bytes). Matrix i is rows r0 + 8 (i % 2) .., columns
+# c0 + 8 (i // 2) ..; lane (g, t) gets word i = M_i[g, 2t : 2t + 2] (plain: the A fragment a0..a3 of the tile, or
+# the B fragments (b0, b0', b1, b1') of two 8-row n-tiles of an [n, k] tile) or {M_i[2t, g], M_i[2t + 1, g]}
+# (transposed: (b0, b1, b0', b1') of two 8-column n-tiles of a [k, n] tile, k along the rows).
+if IS_SIM:
+
+    def _ldsm_sim(P, r0, c0, lane, trans: bool):
+        g, t = lane // 4, lane % 4
+        out = []
+        for i in range(4):
+            rb, cb = int(r0) + 8 * (i % 2), int(c0) + 8 * (i // 2)
+            if trans:
+                e0 = (int(P[rb + 2 * t, (cb + g) // 2]) >> (16 * ((cb + g) % 2))) & 0xFFFF
+                e1 = (int(P[rb + 2 * t + 1, (cb + g) // 2]) >> (16 * ((cb + g) % 2))) & 0xFFFF
+                out.append(np.uint32(e0 | (e1 << 16)))
+            else:
+                out.append(np.uint32(P[rb + g, cb // 2 + t]))
+        return out[0], out[1], out[2], out[3]
+
+    @cuda.jit(device=True)
+    def ldsm_x4(P, r0, c0, lane):
+        """(r0, r1, r2, r3): this lane's words of the warp's four 8 x 8 matrices (simulator: read directly)."""
+        return _ldsm_sim(P, r0, c0, lane, False)
+
+    @cuda.jit(device=True)
+    def ldsm_x4_t(P, r0, c0, lane):
+        """ldsm_x4, each matrix transposed (simulator: read directly)."""
+        return _ldsm_sim(P, r0, c0, lane, True)
+
+else:
+    # for generated kernels with many call sites (kdt.kernels.attn_tc): the intrinsic itself, no device function
+    # around it (Numba inlines device functions into a kernel's IR, slowly)
+    mma_intrinsic = _mma
+
+    _IR = {_types.float32: _ir.FloatType(), _types.uint32: _ir.IntType(32), _types.uint64: _ir.IntType(64)}
+
+    def _asm_intrinsic(text: str, constraints: str, out_types: tuple, in_types: tuple, side_effect: bool = False):
+        """An intrinsic running the PTX ``text`` on its arguments (of ``in_types``): None, one value or a tuple of
+        ``out_types``. ``side_effect``: kept in order and never merged (shared memory's loads and stores)."""
+
+        def typer(*args):
+            if not out_types:
+                ret_t = _types.none
+            elif len(out_types) == 1:
+                ret_t = out_types[0]
+            else:
+                ret_t = _types.Tuple(out_types)
+
+            def codegen(context, builder, sig, args):
+                outs = [_IR[t] for t in out_types]
+                rt = _ir.VoidType() if not outs else outs[0] if len(outs) == 1 else _ir.LiteralStructType(outs)
+                fty = _ir.FunctionType(rt, [a.type for a in args])
+                ret = builder.call(_ir.InlineAsm(fty, text, constraints, side_effect=side_effect), args)
+                if not outs:
+                    return context.get_dummy_value()
+                if len(outs) == 1:
+                    return ret
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(ret, i)
+                                                                     for i in range(len(outs))])
+
+            return ret_t(*in_types), codegen
+
+        def one(typingctx, a):
+            return typer(a)
+
+        def two(typingctx, a, b):
+            return typer(a, b)
+
+        return _intrinsic(one if len(in_types) == 1 else two)
+
+    _U32T, _U64T, _F32T = _types.uint32, _types.uint64, _types.float32
+
+    @_intrinsic
+    def smem_base(typingctx, arr):
+        """The 32-bit shared-memory address of a shared array's first element."""
+
+        def codegen(context, builder, sig, args):
+            p = _flat_ptr(context, builder, sig.args[0], args[0], _types.intp, _ir.Constant(_ir.IntType(64), 0))
+            fty = _ir.FunctionType(_ir.IntType(32), [p.type])
+            asm = _ir.InlineAsm(fty, "{\n\t.reg .u64 kdt_sb;\n\tcvta.to.shared.u64 kdt_sb, $1;\n\t"
+                                "cvt.u32.u64 $0, kdt_sb;\n\t}", "=r,l")
+            return builder.call(asm, [p])
+
+        return _types.uint32(arr), codegen
+
+    @_intrinsic
+    def gmem_base(typingctx, arr):
+        """The (generic) address of an array's first element, as a uint64."""
+
+        def codegen(context, builder, sig, args):
+            p = _flat_ptr(context, builder, sig.args[0], args[0], _types.intp, _ir.Constant(_ir.IntType(64), 0))
+            return builder.ptrtoint(p, _ir.IntType(64))
+
+        return _types.uint64(arr), codegen
+
+    _AT: dict = {}
+
+    def smem_at(op: str, imm: int):
+        """Shared-memory access at a 32-bit address register plus the byte immediate ``imm`` (one instruction, no
+        address arithmetic): op ``ldsm`` / ``ldsm_t`` (addr) -> 4 words of ldmatrix; ``ld_f32`` (addr) -> float32;
+        ``ld_v2f32`` (addr) -> (float32, float32); ``st_f32`` / ``st_u32`` (addr, v); ``cp16`` (addr, src): a
+        16-byte cp.async from the generic address src."""
+        key = (op, int(imm))
+        if key not in _AT:
+            a = f"[$IN+{int(imm)}]"  # the address operand: $IN the register, after the outputs
+            specs = {
+                "ldsm": ("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, @ADDR;", "=r,=r,=r,=r,r",
+                         (_U32T,) * 4, (_U32T,)),
+                "ldsm_t": ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, @ADDR;", "=r,=r,=r,=r,r",
+                           (_U32T,) * 4, (_U32T,)),
+                "ld_f32": ("ld.shared.f32 $0, @ADDR;", "=f,r", (_F32T,), (_U32T,)),
+                "ld_v2f32": ("ld.shared.v2.f32 {$0, $1}, @ADDR;", "=f,=f,r", (_F32T, _F32T), (_U32T,)),
+                "st_f32": ("st.shared.f32 @ADDR, $1;", "r,f", (), (_U32T, _F32T)),
+                "st_u32": ("st.shared.u32 @ADDR, $1;", "r,r", (), (_U32T, _U32T)),
+                "cp16": ("cp.async.cg.shared.global @ADDR, [$1], 16;", "r,l", (), (_U32T, _U64T)),
+            }
+            text, cons, outs, ins = specs[op]
+            text = text.replace("@ADDR", a.replace("$IN", f"${len(outs)}"))
+            _AT[key] = _asm_intrinsic(text, cons + ",~{memory}", outs, ins, side_effect=True)
+        return _AT[key]
+
+    # (hi, lo) of two float32 x0, x1 as bf16 pairs (x0 in the low halves), split_bf16x2's values in 8 instructions
+    # (cvt.rn.bf16x2 rounds to nearest even, as f32_to_bf16; it puts its first operand in the high half)
+    _SPLIT_BODY = ("cvt.rn.bf16x2.f32 $0, kx1, kx0;\n\tshl.b32 kt0, $0, 16;\n\tand.b32 kt1, $0, 0xFFFF0000;\n\t"
+                   "mov.b32 kf0, kt0;\n\tmov.b32 kf1, kt1;\n\tsub.f32 kf0, kx0, kf0;\n\tsub.f32 kf1, kx1, kf1;\n\t"
+                   "cvt.rn.bf16x2.f32 $1, kf1, kf0;\n\t}")
+    _SPLIT_REGS = "{\n\t.reg .b32 kt0, kt1;\n\t.reg .f32 kf0, kf1, kx0, kx1;\n\t"
+    split_bf16x2_asm = _asm_intrinsic(_SPLIT_REGS + "mov.f32 kx0, $2;\n\tmov.f32 kx1, $3;\n\t" + _SPLIT_BODY,
+                                      "=r,=r,f,f", (_U32T, _U32T), (_F32T, _F32T))
+
+
 @cuda.jit(device=True, inline=True)
 def split_bf16x2(x0, x1):
     """(hi, lo): two float32 as bf16 pairs, x = hi + lo to ~2^-17 (x0 in the low halves)."""

@@ -1,0 +1,410 @@
+"""MLA attention on tensor cores (kdt.kernels.mla's version 2 at many query rows; flash attention over ``mma.sync``).
+
+In the absorb form every head of every token attends to the same latent keys: query row rho = m H + h of
+Q[M H, F] = [q_abs | q_pe] * scale (F = Rkv + dr) scores against K[t] = [c_kv[t] | k_pe[t]] and averages
+V[t] = c_kv[t], so M tokens' attention is one GEMM pair over M H rows (MQA with M H query heads):
+
+    S[rho, t] = Q[rho] . K[t] (masked: t < L, or vis[m, t - L]);  O[rho] = softmax_t(S[rho]) @ V.
+
+Block (NM m-tiles of 16 rows, 4 warps an m-tile, key tiles of BC keys; kdt.kernels.tc's mma and ldmatrix):
+
+- K tile: the block stages keys [t0, t0 + BC) into shared memory as bf16 hi and lo planes (x = hi + lo to ~2^-17,
+  as tc's x), [BC, FP / 2 + 4] words each (features F .. FP zero; 16 bytes of row pad: conflict-free ldmatrix).
+- scores: warp (mt, c) holds its m-tile's Q over the feature steps c KSW .. (c + 1) KSW - 1 in registers (hi / lo
+  A fragments, loaded once) and adds Q K^T over them for all BC keys: three mma a product (hi hi, hi lo, lo hi:
+  about float32 FMA's error); the four partial [16, BC] tiles meet in shared memory.
+- softmax: 8 threads a row (BC / 8 keys each) sum the partials, mask, keep the row's running max and sum (fp32
+  online softmax, as version 2) and write p as hi / lo planes [BR, BC / 2 + 4] and the row's rescale.
+- P V: warp (mt, c) owns columns c Rkv / 4 .. of its m-tile's output, [16, Rkv / 4] fp32 accumulators in
+  registers; V's fragments are the K tile's own c_kv words, read transposed (``ldsm_x4_t``).
+
+Splits and partials as version 2: grid (cdiv(M H, BR), S); split sp takes keys [sp kps, (sp + 1) kps), kps =
+cdiv(L + M, S) rounded up to BC; S = 1 writes o_lat, else part[(rho S + sp) (Rkv + 2) + ..] = (acc, max, sum) for
+kdt.kernels.mla's version 2 combine (launched with BT = BC).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import numpy as np
+from numba import cuda, float32, int64, uint8, uint32, uint64
+
+from kdt.kernels import tc
+from kdt.kernels.common import IS_SIM, Src, allow_dynamic_shared, cdiv, jit_source, register_ptx
+from kdt.kernels.mla import MAX_SPLITS_V2, _num_sms, _shfl_xor, online_softmax
+
+NEG_INF = float32(-np.inf)
+# the fewest tokens version 2's attention runs here (0: never; env KDT_MLA_ATTN_TC_M): session 32's s32a (Moonlight,
+# attention + combine, us, FMA / here): M = 16 at L = 512 / 8192 29.3 / 183.8 against 66.6 / 154.1; M = 64 64.1 / 680.6
+# against 88.8 / 438.3; M = 128 121.6 / 1355.8 against 120.7 / 804.5; M = 256 253.5 / 2706.3 against 212.8 / 1580.7
+TC_MIN_M = int(os.environ.get("KDT_MLA_ATTN_TC_M", "128"))
+MIN_KEYS_PER_SPLIT = 128  # a split's keys at least (the block loads its Q once a split)
+SPLIT_BLOCKS_PER_SM = 2  # the splits aim at this many blocks an SM (a tail of one wave in two)
+# the default geometry (session 32, s32a, Moonlight attention + combine at M = 64 / 256, L = 8192: 437.8 / 1610.4 us
+# with 2 m-tiles of 4 warps, 580-636 / 2251-2430 with one m-tile of 8 warps, 679 / 2704 on FMA): two m-tiles a block
+# share each staged key tile, 4 warps an m-tile hold 9 of Moonlight's 36 feature steps (no zero steps)
+NM_DEFAULT, NWK_DEFAULT, BC_DEFAULT = 2, 4, 16
+
+
+def supports(H: int, Rkv: int, dr: int) -> bool:
+    """Shapes the kernel takes: Rkv a multiple of 64 (each warp's columns whole pairs of 8), dr of 4 (16-byte
+    copies)."""
+    return Rkv % 64 == 0 and dr % 4 == 0 and H >= 1
+
+
+def uses_tc(M: int, H: int, Rkv: int, dr: int) -> bool:
+    """Whether version 2's attention of M tokens runs here (``TC_MIN_M``)."""
+    return TC_MIN_M > 0 and M >= TC_MIN_M and supports(H, Rkv, dr)
+
+
+def params(Rkv: int, dr: int, NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, NWK: int = NWK_DEFAULT) -> dict:
+    """Compile-time geometry: NM m-tiles a block, BC keys a tile, NWK warps an m-tile (the split of Q K^T's feature
+    steps and of P V's columns)."""
+    TPR = min(2 * NWK, BC // 2)  # softmax threads a row (2 keys each)
+    if BC % 16 or Rkv % (16 * NWK):
+        raise ValueError(f"bad attention tile BC={BC}, NWK={NWK} for Rkv={Rkv}")
+    F = Rkv + dr
+    KSW = cdiv(cdiv(F, 16), NWK)  # feature steps of 16 a warp
+    FP = 16 * NWK * KSW
+    return dict(Rkv=Rkv, dr=dr, F=F, NM=NM, BC=BC, NWK=NWK, TPR=TPR, BR=16 * NM, NT=32 * NWK * NM, KSW=KSW, FP=FP,
+                SKW=FP // 2 + 4, SPW=BC // 2 + 4, KPT=BC // TPR, CP=Rkv // (16 * NWK), CWW=Rkv // NWK,
+                F2=F // 2, ZW=(FP - F) // 2, RAW=BC * F, C4=Rkv // 4, CPR=F // 4)
+
+
+def num_splits(L: int, M: int, H: int, NM: int = NM_DEFAULT) -> int:
+    """Splits of [0, L + M): about SPLIT_BLOCKS_PER_SM blocks an SM over the row tiles, MIN_KEYS_PER_SPLIT keys a
+    split at least (the engine passes max_len as L: splits past the device's L stay empty)."""
+    tiles = cdiv(M * H, 16 * NM)
+    want = SPLIT_BLOCKS_PER_SM * _num_sms() // max(1, tiles)
+    return int(max(1, min(want, cdiv(L + M, MIN_KEYS_PER_SPLIT), MAX_SPLITS_V2)))
+
+
+def layout(BC, NM, NWK, BR, SKW, SPW, RAW, **_) -> dict:
+    """Word offsets of the GPU kernel's one dynamic shared array: the raw float32 key tile [BC, F], its hi and lo
+    planes [BC, SKW], the warps' partial scores [NM, NWK, 16, BC + 1], p's hi and lo planes [BR, SPW], the rows'
+    rescales [BR]; WORDS in all."""
+    d = dict(RAW0=0, KHI=RAW, KLO=RAW + BC * SKW, SSW=BC + 1)
+    d["SS0"] = d["KLO"] + BC * SKW
+    d["PH0"] = d["SS0"] + NM * NWK * 16 * d["SSW"]
+    d["PL0"] = d["PH0"] + BR * SPW
+    d["AL0"] = d["PL0"] + BR * SPW
+    d["WORDS"] = d["AL0"] + BR
+    return d
+
+
+def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CWW, F2, ZW, RAW, C4, CPR,
+            ops: set | None = None, **_) -> str:
+    """Python source of the kernel (module docstring), loops over registers written out. Two spellings of its shared
+    memory: under the simulator Numba arrays and kdt.kernels.tc's emulations; on the GPU one dynamic array addressed
+    by 32-bit registers plus immediates (``tc.smem_at``; the (op, immediate) pairs used go to ``ops``), intrinsics
+    and builtins only: Numba's 64-bit index arithmetic and its inlined device functions cost more instructions than
+    the mma themselves."""
+    s = Src()
+    NP = BC // 16  # key pairs of n-tiles
+    lay = layout(BC, NM, NWK, BR, SKW, SPW, RAW)
+    KHI, KLO, SS0, SSW, PH0, PL0, AL0 = (lay[k] for k in ("KHI", "KLO", "SS0", "SSW", "PH0", "PL0", "AL0"))
+    ops = set() if ops is None else ops
+
+    def at(op: str, imm: int, *args: str) -> str:  # GPU: one shared-memory instruction at args[0] + imm bytes
+        ops.add((op, imm))
+        return f"{op}_{imm}({', '.join(args)})"
+
+    def mma(a: str, b0: str, b1: str, acc: str) -> None:
+        s(f"{acc} = mma({a}, {b0}, {b1}, {acc}" + (", frag, warp, lane)" if IS_SIM else ")"))
+
+    def shfl(v: str, off: int) -> str:
+        return f"shfl(xbuf, tid, {v}, {off})" if IS_SIM else f"cuda.shfl_xor_sync(0xFFFFFFFF, {v}, {off})"
+
+    def issue(tn: str) -> None:  # cp.async of keys [tn, tn + BC) (rows past t_hi: the last key's) into raw
+        if IS_SIM:
+            with s.block(f"for e in range(tid, {BC * CPR}, {NT}):"):
+                s(f"kk = e // {CPR}")
+                s(f"ch = e - kk * {CPR}")
+                s(f"tr = min({tn} + kk, t_hi - 1)")
+                with s.block(f"if ch < {C4}:"):
+                    s(f"cp_async16(raw, kk * {F} + 4 * ch, c_kv, tr * {Rkv} + 4 * ch, 16)")
+                with s.block("else:"):
+                    s(f"cp_async16(raw, kk * {F} + 4 * ch, k_pe, tr * {dr} + 4 * (ch - {C4}), 16)")
+        else:  # chunk e = tid + NT j: raw bytes 16 e (the tile's rows are contiguous there)
+            for j in range(cdiv(BC * CPR, NT)):
+                with s.block(f"if tid + {NT * j} < {BC * CPR}:" if (j + 1) * NT > BC * CPR else "if True:"):
+                    s(f"e = tid + {NT * j}")
+                    s(f"kk = e // {CPR}")
+                    s(f"ch = e - kk * {CPR}")
+                    s(f"tr = min({tn} + kk, t_hi - 1)")
+                    s(f"src = (cb + uint64(4 * (tr * {Rkv} + 4 * ch))) if ch < {C4} else "
+                      f"(pb + uint64(4 * (tr * {dr} + 4 * (ch - {C4}))))")
+                    s(at("cp16", 16 * NT * j, "rd", "src"))
+        s("cp_async_commit()")
+
+    with s.block("def mla_attention_tc(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, part):"):
+        s('"""kdt.kernels.attn_tc: grid (cdiv(M H, BR), S), block (NT,); c_kv / k_pe C-contiguous."""')
+        s("grid_dependency_wait()  # first (kdt.kernels.common, PDL)")
+        s("tid = cuda.threadIdx.x")
+        s("warp = tid // 32")
+        s("lane = tid - warp * 32")
+        s("g = lane // 4")
+        s("t4 = lane - g * 4")
+        s(f"mt = warp // {NWK}  # this warp's m-tile")
+        s(f"c = warp - mt * {NWK}  # its share: feature steps of Q K^T, columns of P V")
+        s("M = q_abs.shape[0]")
+        s("H = q_abs.shape[1]")
+        s("MH = M * H")
+        s("sp = cuda.blockIdx.y")
+        s("S = cuda.gridDim.y")
+        s("L = L_dev[0]")
+        s("T = L + M")
+        s("kps = (T + S - 1) // S")
+        s(f"kps = (kps + {BC - 1}) // {BC} * {BC}")
+        s("t_lo = sp * kps")
+        with s.block("if t_lo >= T:"):
+            s("return")
+        s("t_hi = min(t_lo + kps, T)")
+        s(f"row0 = cuda.blockIdx.x * {BR}")
+        s(f"sMl = cuda.shared.array((2, {BR}), float32)  # a row's final max and sum")
+        s(f"# softmax role: row sr of the block ({TPR} threads a row), keys sub * KPT .. (threads past BR rows: the")
+        s("# last row again, never written)")
+        s(f"sr = min(tid // {TPR}, {BR - 1})")
+        s(f"sub = tid - (tid // {TPR}) * {TPR}")
+        s(f"sw = tid < {BR * TPR}  # this thread writes its row's values")
+        s("smt = sr // 16")
+        s("srr = sr - smt * 16")
+        s(f"col0 = c * {CWW}  # this warp's output columns")
+        if IS_SIM:
+            s(f"raw = cuda.shared.array(({BC}, {F}), float32)  # the key tile as copied, float32")
+            s(f"sKh = cuda.shared.array(({BC}, {SKW}), uint32)  # .. as bf16 hi of feature pairs")
+            s(f"sKl = cuda.shared.array(({BC}, {SKW}), uint32)  # .. and lo")
+            s(f"sS = cuda.shared.array(({NM}, {NWK}, 16, {SSW}), float32)  # the warps' partial scores")
+            s(f"sPh = cuda.shared.array(({BR}, {SPW}), uint32)  # p hi / lo of key pairs")
+            s(f"sPl = cuda.shared.array(({BR}, {SPW}), uint32)")
+            s(f"sAl = cuda.shared.array({BR}, float32)  # a row's rescale this tile")
+            s(f"xbuf = cuda.shared.array({NT}, float32)  # the simulator's shuffles")
+            s("frag = cuda.shared.array(FRAG, int64)  # the simulator's mma")
+        else:  # kdt.kernels.attn_tc.layout; per-lane addresses, bytes
+            s("sm = cuda.shared.array(0, uint32)")
+            s("sb = smem_base(sm)")
+            s("lrow = (lane & 7) + ((lane >> 3) & 1) * 8  # the row this lane addresses in an ldmatrix")
+            s("lcol = (lane >> 4) * 4")
+            s(f"laS = uint32(sb + 4 * (lrow * {SKW} + lcol) + {32 * KSW} * c)  # K planes at this warp's features")
+            s(f"laV = uint32(sb + 4 * (lrow * {SKW} + lcol) + 2 * col0)  # .. at its columns")
+            s(f"laP = uint32(sb + 4 * ({PH0} + (mt * 16 + lrow) * {SPW} + lcol))  # p planes at its m-tile")
+            s(f"sSa = uint32(sb + 4 * ({SS0} + ((mt * {NWK} + c) * 16 + g) * {SSW} + 2 * t4))  # its partial scores")
+            s(f"sSr = uint32(sb + 4 * ({SS0} + (smt * {NWK * 16} + srr) * {SSW} + sub * {KPT}))  # row sr's")
+            s(f"sPa = uint32(sb + 4 * ({PH0} + sr * {SPW} + sub * {KPT // 2}))  # row sr's p words")
+            s(f"sAa = uint32(sb + 4 * ({AL0} + sr))")
+            s(f"sAr = uint32(sb + 4 * ({AL0} + mt * 16 + g))")
+            s("rd = uint32(sb + 16 * tid)  # this thread's first raw chunk")
+            s("rs = uint32(sb + 8 * tid)  # .. and pair")
+            s("cb = gmem_base(c_kv)")
+            s("pb = gmem_base(k_pe)")
+        if ZW:
+            with s.block(f"for e in range(tid, {BC * ZW}, {NT}):  # features F .. FP: zeros, once"):
+                s(f"kz = e // {ZW}")
+                s(f"w = {F2} + e - kz * {ZW}")
+                if IS_SIM:
+                    s("sKh[kz, w] = uint32(0)")
+                    s("sKl[kz, w] = uint32(0)")
+                else:
+                    s(f"za = uint32(sb + 4 * (kz * {SKW} + w))")
+                    s(at("st_u32", 4 * KHI, "za", "uint32(0)"))
+                    s(at("st_u32", 4 * KLO, "za", "uint32(0)"))
+        s("# ---- Q's A fragments of this warp's feature steps, hi / lo, scaled (rows past M H: zeros)")
+        s("ra = row0 + mt * 16 + g")
+        s("rb = ra + 8")
+        for row in ("ra", "rb"):
+            s(f"m_{row} = min({row}, MH - 1) // H")
+            s(f"h_{row} = min({row}, MH - 1) - m_{row} * H")
+        for i in range(KSW):
+            for r, (row, df) in enumerate((("ra", 0), ("rb", 0), ("ra", 8), ("rb", 8))):
+                s(f"f = (c * {KSW} + {i}) * 16 + 2 * t4 + {df}")
+                s("x0 = x1 = float32(0.0)")
+                with s.block(f"if {row} < MH and f < {F}:"):
+                    with s.block(f"if f < {Rkv}:"):
+                        s(f"x0 = q_abs[m_{row}, h_{row}, f] * scale")
+                        s(f"x1 = q_abs[m_{row}, h_{row}, f + 1] * scale")
+                    with s.block("else:"):
+                        s(f"x0 = q_pe[m_{row}, h_{row}, f - {Rkv}] * scale")
+                        s(f"x1 = q_pe[m_{row}, h_{row}, f - {Rkv - 1}] * scale")
+                s(f"qh_{i}_{r}, ql_{i}_{r} = split(x0, x1)")
+        s("m_me = min(row0 + sr, MH - 1) // H  # the row's token (rows past M H: the last, never stored)")
+        s("m_run = NEG_INF")
+        s("l_run = float32(0.0)")
+        for q in range(CP):
+            for n in range(2):
+                s(" = ".join(f"o_{q}_{n}_{j}" for j in range(4)) + " = float32(0.0)")
+        issue("t_lo")
+        with s.block(f"for t0 in range(t_lo, t_hi, {BC}):"):
+            s("cp_async_wait()")
+            s("cuda.syncthreads()  # the tile's copies landed; everyone is done with the previous tile")
+            if IS_SIM:
+                with s.block(f"for e in range(tid, {BC * F2}, {NT}):  # raw -> hi / lo planes"):
+                    s(f"kk = e // {F2}")
+                    s(f"w = e - kk * {F2}")
+                    s("sKh[kk, w], sKl[kk, w] = split(raw[kk, 2 * w], raw[kk, 2 * w + 1])")
+            else:  # pair e = tid + NT j = kk F2 + w: raw bytes 8 e, plane word kk SKW + w
+                for j in range(cdiv(BC * F2, NT)):
+                    with s.block(f"if tid + {NT * j} < {BC * F2}:" if (j + 1) * NT > BC * F2 else "if True:"):
+                        s(f"x0, x1 = {at('ld_v2f32', 8 * NT * j, 'rs')}")
+                        s("hw, lw = split(x0, x1)")
+                        s(f"e = tid + {NT * j}")
+                        s(f"pa = uint32(sb + 4 * (e + {SKW - F2} * (e // {F2})))  # word kk SKW + w")
+                        s(at("st_u32", 4 * KHI, "pa", "hw"))
+                        s(at("st_u32", 4 * KLO, "pa", "lw"))
+            s("cuda.syncthreads()")
+            with s.block(f"if t0 + {BC} < t_hi:  # the next tile's copies, in flight during this one"):
+                issue(f"t0 + {BC}")
+            s("# ---- this warp's part of S = Q K^T over its feature steps, all BC keys")
+            for p in range(NP):
+                for n in range(2):
+                    s(" = ".join(f"s_{p}_{n}_{j}" for j in range(4)) + " = float32(0.0)")
+            for i in range(KSW):
+                qh = ", ".join(f"qh_{i}_{r}" for r in range(4))
+                ql = ", ".join(f"ql_{i}_{r}" for r in range(4))
+                for p in range(NP):
+                    for hl, base in (("h", KHI), ("l", KLO)):
+                        if IS_SIM:
+                            s(f"b{hl}0, b{hl}1, b{hl}2, b{hl}3 = ldsm(sK{hl}, {16 * p}, (c * {KSW} + {i}) * 16, lane)")
+                        else:
+                            imm = 4 * (base + 16 * p * SKW) + 32 * i
+                            s(f"b{hl}0, b{hl}1, b{hl}2, b{hl}3 = " + at("ldsm", imm, "laS"))
+                    for n in range(2):
+                        acc = ", ".join(f"s_{p}_{n}_{j}" for j in range(4))
+                        for a, b0, b1 in ((qh, f"bh{n}", f"bh{n + 2}"), (qh, f"bl{n}", f"bl{n + 2}"),
+                                          (ql, f"bh{n}", f"bh{n + 2}")):
+                            mma(a, b0, b1, acc)
+            for p in range(NP):
+                for n in range(2):
+                    for j, (dg, dk) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+                        k = 16 * p + 8 * n + dk
+                        if IS_SIM:
+                            s(f"sS[mt, c, g + {dg}, {k} + 2 * t4] = s_{p}_{n}_{j}")
+                        else:
+                            s(at("st_f32", 4 * (k + dg * SSW), "sSa", f"s_{p}_{n}_{j}"))
+            s("cuda.syncthreads()")
+            s("# ---- online softmax of row sr over its keys sub * KPT ..")
+            for k in range(KPT):
+                s(f"tk = t0 + sub * {KPT} + {k}")
+                if IS_SIM:
+                    s(f"v_{k} = " + " + ".join(f"sS[smt, {w}, srr, sub * {KPT} + {k}]" for w in range(NWK)))
+                else:
+                    s(f"v_{k} = " + " + ".join(at("ld_f32", 4 * (w * 16 * SSW + k), "sSr") for w in range(NWK)))
+                s(f"v_{k} = v_{k} if (tk < t_hi and (tk < L or vis[m_me, tk - L] != 0)) else NEG_INF")
+            online_softmax(s, [f"v_{k}" for k in range(KPT)], TPR, shfl)
+            with s.block("if sw:"):
+                for k in range(0, KPT, 2):
+                    s(f"ph, pl = split(p_{k}, p_{k + 1})")
+                    if IS_SIM:
+                        s(f"sPh[sr, sub * {KPT // 2} + {k // 2}] = ph")
+                        s(f"sPl[sr, sub * {KPT // 2} + {k // 2}] = pl")
+                    else:
+                        s(at("st_u32", 2 * k, "sPa", "ph"))
+                        s(at("st_u32", 2 * k + 4 * (PL0 - PH0), "sPa", "pl"))
+                with s.block("if sub == 0:"):
+                    s("sAl[sr] = alpha" if IS_SIM else at("st_f32", 0, "sAa", "alpha"))
+            s("cuda.syncthreads()")
+            s("# ---- O = O * alpha + P V over this warp's columns")
+            if IS_SIM:
+                s("al0 = sAl[mt * 16 + g]")
+                s("al1 = sAl[mt * 16 + g + 8]")
+            else:
+                s(f"al0 = {at('ld_f32', 0, 'sAr')}")
+                s(f"al1 = {at('ld_f32', 32, 'sAr')}")
+            for q in range(CP):
+                for n in range(2):
+                    for j, al in enumerate(("al0", "al0", "al1", "al1")):
+                        s(f"o_{q}_{n}_{j} *= {al}")
+            for kk in range(NP):
+                if IS_SIM:
+                    s(f"ah0, ah1, ah2, ah3 = ldsm(sPh, mt * 16, {16 * kk}, lane)")
+                    s(f"aq0, aq1, aq2, aq3 = ldsm(sPl, mt * 16, {16 * kk}, lane)")
+                else:
+                    s("ah0, ah1, ah2, ah3 = " + at("ldsm", 32 * kk, "laP"))
+                    s("aq0, aq1, aq2, aq3 = " + at("ldsm", 32 * kk + 4 * (PL0 - PH0), "laP"))
+                for q in range(CP):
+                    for hl, base in (("h", KHI), ("l", KLO)):
+                        if IS_SIM:
+                            s(f"v{hl}0, v{hl}1, v{hl}2, v{hl}3 = ldsm_t(sK{hl}, {16 * kk}, col0 + {16 * q}, lane)")
+                        else:
+                            s(f"v{hl}0, v{hl}1, v{hl}2, v{hl}3 = "
+                              + at("ldsm_t", 4 * (base + 16 * kk * SKW) + 32 * q, "laV"))
+                    for n in range(2):
+                        acc = ", ".join(f"o_{q}_{n}_{j}" for j in range(4))
+                        for a, b0, b1 in (("ah0, ah1, ah2, ah3", f"vh{2 * n}", f"vh{2 * n + 1}"),
+                                          ("ah0, ah1, ah2, ah3", f"vl{2 * n}", f"vl{2 * n + 1}"),
+                                          ("aq0, aq1, aq2, aq3", f"vh{2 * n}", f"vh{2 * n + 1}")):
+                            mma(a, b0, b1, acc)
+        with s.block("if sub == 0 and sw:"):
+            s("sMl[0, sr] = m_run")
+            s("sMl[1, sr] = l_run")
+            s("rho = row0 + sr")
+            with s.block("if S > 1 and rho < MH:"):
+                s(f"base = (rho * S + sp) * {Rkv + 2}")
+                s(f"part[base + {Rkv}] = m_run")
+                s(f"part[base + {Rkv + 1}] = l_run")
+        s("cuda.syncthreads()")
+        s("# ---- this lane's rows ra, rb: o_lat (one split) or the partials")
+        for half, row, lrow in ((0, "ra", "mt * 16 + g"), (1, "rb", "mt * 16 + g + 8")):
+            with s.block(f"if {row} < MH:"):
+                s(f"mo = {row} // H")
+                s(f"ho = {row} - mo * H")
+                s(f"inv = float32(1.0) / sMl[1, {lrow}] if S == 1 else float32(1.0)")
+                s(f"base = ({row} * S + sp) * {Rkv + 2}")
+                for q in range(CP):
+                    for n in range(2):
+                        for j in range(2):
+                            col = f"col0 + {16 * q + 8 * n + j} + 2 * t4"
+                            v = f"o_{q}_{n}_{2 * half + j}"
+                            with s.block("if S == 1:"):
+                                s(f"o_lat[mo, ho, {col}] = {v} * inv")
+                            with s.block("else:"):
+                                s(f"part[base + {col}] = {v}")
+    return s.text()
+
+
+@functools.cache
+def kernel(Rkv: int, dr: int, NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, NWK: int = NWK_DEFAULT, regs: int = 0):
+    """The kernel for one geometry (cached); ``.geom`` holds its constants. ``regs``: ptxas's register cap (0: none;
+    the default geometry takes 255, one block an SM)."""
+    g = params(Rkv, dr, NM, BC, NWK)
+    ns = dict(cuda=cuda, float32=float32, uint32=uint32, uint64=uint64, int64=int64, math=math, NEG_INF=NEG_INF,
+              FRAG=tc.frag_shape(g["NWK"] * NM), cp_async_commit=tc.cp_async_commit, cp_async_wait=tc.cp_async_wait(0))
+    ops: set = set()
+    src = _source(**g, ops=ops)
+    if IS_SIM:
+        ns.update(mma=tc.mma_bf16, ldsm=tc.ldsm_x4, ldsm_t=tc.ldsm_x4_t, split=tc.split_bf16x2, shfl=_shfl_xor,
+                  cp_async16=tc.cp_async16)
+    else:
+        ns.update(mma=tc.mma_intrinsic, split=tc.split_bf16x2_asm, smem_base=tc.smem_base, gmem_base=tc.gmem_base)
+        ns.update({f"{op}_{imm}": tc.smem_at(op, imm) for op, imm in ops})
+    opts = {"max_registers": regs} if regs and not IS_SIM else {}
+    k = jit_source(src, "mla_attention_tc", ns, __name__, **opts)
+    k.geom = g
+    k.dyn_shared = 0 if IS_SIM else 4 * layout(**g)["WORDS"]
+    return k
+
+
+def attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, part, S: int, stream=0,
+              NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, regs: int = 0, NWK: int = NWK_DEFAULT) -> int:
+    """Launch the kernel (S splits; S > 1: ``part`` holds the partials for kdt.kernels.mla's version 2 combine with
+    BT = BC, returned). The caches as float32 [max_len, Rkv] / [max_len, dr] C-contiguous device arrays."""
+    M, H, Rkv = q_abs.shape
+    dr = q_pe.shape[2]
+    k = kernel(Rkv, dr, NM, BC, NWK, regs)
+    g = k.geom
+    args = (q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, np.float32(scale), o_lat, part)
+    allow_dynamic_shared(k, args, k.dyn_shared)
+    k[(cdiv(M * H, g["BR"]), S), g["NT"], stream, k.dyn_shared](*args)
+    return BC
+
+
+def _register() -> None:
+    f32_1, f32_2, f32_3 = float32[::1], float32[:, ::1], float32[:, :, ::1]
+    sig = (f32_3, f32_3, f32_2, f32_2, int64[::1], uint8[:, ::1], float32, f32_3, f32_1)
+    for Rkv, dr, NM, NWK in ((512, 64, 2, 4), (512, 64, 1, 8), (64, 16, 2, 4)):
+        register_ptx(kernel(Rkv, dr, NM, BC_DEFAULT, NWK), sig, name=f"mla_attention_tc[Rkv={Rkv},NM={NM},NWK={NWK}]")
+
+
+_register()
