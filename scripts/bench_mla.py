@@ -11,9 +11,10 @@ attention at M = 1, 16, 64 and L = 512, 8192 (--L) with
   - v2 "pf0"/"pf1" (S(max)): the other prefetch modes of the v2 attention tile loop (default pf2);
   - v2 "S(max)/2": half the splits (what KDT_MLA_BLOCKS_PER_SM=1 would pick);
   - v2 "S(max) kN" (``--split-keys``): at least N keys a split (what KDT_MLA_SPLIT_KEYS=N would pick);
-  - v2 "tc S(max)" (``--tc``): on tensor cores (kdt.kernels.attn_tc, KDT_MLA_ATTN_TC_M) with the engine's splits
-    were it on (2 m-tiles of 16 rows a block, 4 warps each), "tc nm1" one m-tile of 8 warps, "tc nm1 cap" the same
-    capped at 128 registers (2 blocks an SM).
+  - v2 "fma S(max)" and "tc S(max)" (``--tc``): version 2's FMA kernel and the one on tensor cores
+    (kdt.kernels.attn_tc, the default from KDT_MLA_ATTN_TC_M tokens: "v2 S(max)" is one of the two), each with the
+    engine's splits (tc: 2 m-tiles of 16 rows a block, 4 warps each); "tc nm1" one m-tile of 8 warps, "tc nm1 cap"
+    the same capped at 128 registers (2 blocks an SM).
 Timing: kdt.kernels.bench.time_us (a spin kernel holds the GPU while a batch is queued). "GB/s" and
 "% copy" count the bytes that must move once (weights, q/o, the cache [0, L+M)) against the
 device-to-device copy bandwidth measured in the same run; "x v1" is v1's time over this row's.
@@ -46,6 +47,15 @@ def _attention_tc(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, scratch, S:
                            NWK=NWK)
     if S > 1:
         mla._mla_combine_v2(scratch, S, L_dev, o_lat, BT)
+
+
+def _fma_splits(M: int, H: int, Rkv: int, dr: int) -> int:
+    """The engine's splits of version 2's FMA attention (what KDT_MLA_ATTN_TC_M=0 would pick)."""
+    saved, attn_tc.TC_MIN_M = attn_tc.TC_MIN_M, 0
+    try:
+        return mla.mla_num_splits(MAX_LEN, M, H, Rkv, dr, version=2)
+    finally:
+        attn_tc.TC_MIN_M = saved
 
 
 def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), Ls: tuple[int, ...] = (512, 8192),
@@ -87,7 +97,8 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
             variants += [(f"v2 S(max) k{km}", 2, S, ("keys", km)) for km in split_keys]
             if tc and attn_tc.supports(H, Rkv, dr):  # on tensor cores, the engine's splits were it on
                 S, S1 = attn_tc.num_splits(MAX_LEN, M, H), attn_tc.num_splits(MAX_LEN, M, H, NM=1)
-                variants += [("v2 tc S(max)", 2, S, ("tc", 16, 0, 2, 4)),
+                variants += [("v2 fma S(max)", 2, _fma_splits(M, H, Rkv, dr), ("fma",)),
+                             ("v2 tc S(max)", 2, S, ("tc", 16, 0, 2, 4)),
                              ("v2 tc nm1 S(max)", 2, S1, ("tc", 16, 0, 1, 8)),
                              ("v2 tc nm1 cap S(max)", 2, S1, ("tc", 16, 128, 1, 8))]
             for label, v, S, prm in variants:
@@ -96,6 +107,8 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
                 def fn(i, v=v, S=S, sc=scratch, Ld=L_dev, a=q_abs, p=q_pe, o=o_lat, vis=vis, prm=prm):
                     if prm is None:
                         mla.mla_attention(a, p, c_kv, k_pe, Ld, vis, scale, o, scratch=sc, n_splits=S, version=v)
+                    elif prm[0] == "fma":  # version 2's FMA kernel where the default would take tensor cores
+                        mla._mla_attention_v2(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, 0, on_tc=False)
                     elif prm[0] == "tc":  # on tensor cores (BC, register cap)
                         _attention_tc(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, *prm[1:])
                     elif prm[0] == "keys":  # a floor on a split's keys
