@@ -6,17 +6,20 @@ V[t] = c_kv[t], so M tokens' attention is one GEMM pair over M H rows (MQA with 
 
     S[rho, t] = Q[rho] . K[t] (masked: t < L, or vis[m, t - L]);  O[rho] = softmax_t(S[rho]) @ V.
 
-Block (NM m-tiles of 16 rows, 4 warps an m-tile, key tiles of BC keys; kdt.kernels.tc's mma and ldmatrix):
+Block (NM = 2 m-tiles of 16 query rows, NWK = 4 warps an m-tile, key tiles of BC = 16 keys; kdt.kernels.tc's mma
+and ldmatrix):
 
-- K tile: the block stages keys [t0, t0 + BC) into shared memory as bf16 hi and lo planes (x = hi + lo to ~2^-17,
-  as tc's x), [BC, FP / 2 + 4] words each (features F .. FP zero; 16 bytes of row pad: conflict-free ldmatrix).
+- K tile: ``cp.async`` copies keys [t0, t0 + BC) as float32 into shared memory (the next tile's copies in flight
+  during this one); the block splits it once into bf16 hi and lo planes (x = hi + lo to ~2^-17, as tc's x),
+  [BC, FP / 2 + 4] words each (features F .. FP zero; 16 bytes of row pad: conflict-free ldmatrix).
 - scores: warp (mt, c) holds its m-tile's Q over the feature steps c KSW .. (c + 1) KSW - 1 in registers (hi / lo
   A fragments, loaded once) and adds Q K^T over them for all BC keys: three mma a product (hi hi, hi lo, lo hi:
-  about float32 FMA's error); the four partial [16, BC] tiles meet in shared memory.
-- softmax: 8 threads a row (BC / 8 keys each) sum the partials, mask, keep the row's running max and sum (fp32
-  online softmax, as version 2) and write p as hi / lo planes [BR, BC / 2 + 4] and the row's rescale.
-- P V: warp (mt, c) owns columns c Rkv / 4 .. of its m-tile's output, [16, Rkv / 4] fp32 accumulators in
-  registers; V's fragments are the K tile's own c_kv words, read transposed (``ldsm_x4_t``).
+  ~2^-17 of a product, where float32 FMAs have 2^-24); the NWK partial [16, BC] tiles meet in shared memory.
+- softmax: TPR threads a row (2 keys each) sum the partials, mask, keep the row's running max and sum (fp32 online
+  softmax, version 2's: kdt.kernels.mla.online_softmax) and write p as hi / lo planes [BR, BC / 2 + 4] and the
+  row's rescale.
+- P V: warp (mt, c) owns columns c Rkv / NWK .. of its m-tile's output, fp32 accumulators in registers; V's
+  fragments are the K tile's own c_kv words, read by ldmatrix transposed.
 
 Splits and partials as version 2: grid (cdiv(M H, BR), S); split sp takes keys [sp kps, (sp + 1) kps), kps =
 cdiv(L + M, S) rounded up to BC; S = 1 writes o_lat, else part[(rho S + sp) (Rkv + 2) + ..] = (acc, max, sum) for
