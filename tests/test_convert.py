@@ -50,6 +50,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensor
 
 N_NEW = 32
 MARGIN = 1e-4
+PROMPT_DRAWS = 5  # prompts drawn at most for 8 greedy steps above MARGIN
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
         "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}
 FP8_QC = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -308,29 +309,32 @@ def test_convert_matches_transformers(variant, engine, tmp_path, rng):
     for k, v in want.items():
         np.testing.assert_array_equal(fx.weights[k], v, err_msg=k)
 
-    # one prefill: float64 reference vs transformers float32
-    P = int(rng.integers(6, 13))
-    prompt = rng.integers(0, hcfg.vocab_size, P)
-    ref = RefModel(cfg, fx.weights, max_len=P + N_NEW + 2)
-    ours = ref.forward(prompt, np.arange(P), 0, causal_block(P))
-    with torch.no_grad():
-        theirs = m(torch.from_numpy(prompt)[None]).logits[0].double().numpy()
-    assert rel_err(ours, theirs) < 1e-5, rel_err(ours, theirs)
-
-    # 32 greedy tokens
-    with torch.no_grad():
-        ids = torch.from_numpy(prompt)[None]
-        # an explicit all-ones mask: otherwise generate() takes prompt tokens equal to pad_token_id
-        # for padding (and shifts the positions)
-        g = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N_NEW,
-                       output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    hf_tokens = g.sequences[0, P:].tolist()
-    hf_logits = torch.stack(g.logits)[:, 0].double().numpy()  # [N_NEW, V]
-    assert len(hf_tokens) == N_NEW
-    top2 = np.sort(hf_logits, axis=1)[:, -2:]
-    thin = np.nonzero(top2[:, 1] - top2[:, 0] < MARGIN)[0]
-    k = int(thin[0]) if thin.size else N_NEW  # the tokens chosen before the first razor-thin margin
-    assert k >= 8, f"transformers' greedy margin is razor thin at step {k}"
+    # one prefill (float64 reference vs transformers float32), then 32 greedy tokens of transformers; a prompt whose
+    # greedy tokens meet a razor-thin margin within 8 steps is drawn again (a random model's margins can be that thin:
+    # KDT_TEST_SEED=1453934424 at step 3), so that at least 8 tokens are compared
+    for _ in range(PROMPT_DRAWS):
+        P = int(rng.integers(6, 13))
+        prompt = rng.integers(0, hcfg.vocab_size, P)
+        ref = RefModel(cfg, fx.weights, max_len=P + N_NEW + 2)
+        ours = ref.forward(prompt, np.arange(P), 0, causal_block(P))
+        with torch.no_grad():
+            theirs = m(torch.from_numpy(prompt)[None]).logits[0].double().numpy()
+        assert rel_err(ours, theirs) < 1e-5, rel_err(ours, theirs)
+        with torch.no_grad():
+            ids = torch.from_numpy(prompt)[None]
+            # an explicit all-ones mask: otherwise generate() takes prompt tokens equal to pad_token_id
+            # for padding (and shifts the positions)
+            g = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N_NEW,
+                           output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+        hf_tokens = g.sequences[0, P:].tolist()
+        hf_logits = torch.stack(g.logits)[:, 0].double().numpy()  # [N_NEW, V]
+        assert len(hf_tokens) == N_NEW
+        top2 = np.sort(hf_logits, axis=1)[:, -2:]
+        thin = np.nonzero(top2[:, 1] - top2[:, 0] < MARGIN)[0]
+        k = int(thin[0]) if thin.size else N_NEW  # the tokens chosen before the first razor-thin margin
+        if k >= 8:
+            break
+    assert k >= 8, f"transformers' greedy margin is razor thin at step {k} for {PROMPT_DRAWS} prompts"
     for name, target in (("ref-f64", RefModel(cfg, fx.weights, max_len=P + N_NEW + 2)),
                          (f"{engine}-engine", load_target(cfg, fx.weights, backend=engine, max_len=P + N_NEW + 2))):
         res = ar_generate(target, prompt, N_NEW, keep_logits=True)
