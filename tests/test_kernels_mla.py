@@ -94,36 +94,37 @@ def attention_inputs(rng, cfg, L: int, M: int, extra: int = 3):
 
 
 def run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=None, scratch=None, version=None,
-                  params=None, device_L=False, split_keys=None):
+                  params=None, device_L=False, split_keys=None, on_tc=None):
     """o_lat of mla_attention (``params``: a v2 geometry (G, A, NW, VPL, CG[, PF]) instead of the
     default one; ``device_L``: L passed as a device scalar, as in the engine's CUDA graphs; ``split_keys``: v2's
-    floor on a split's keys instead of mla.SPLIT_KEYS)."""
+    floor on a split's keys instead of mla.SPLIT_KEYS; ``on_tc``: v2 on tensor cores (kdt.kernels.attn_tc) or not,
+    whatever M)."""
     M, H, Rkv = q_abs.shape
     o_d = cuda.to_device(poisoned((M, H, Rkv)))
     args = (cuda.to_device(q_abs), cuda.to_device(q_pe), cuda.to_device(c_kv), cuda.to_device(k_pe),
             cuda.to_device(np.array([L], np.int64)) if device_L else L, cuda.to_device(vis.astype(np.uint8)),
             scale, o_d)
-    if params is not None or split_keys is not None:
+    if params is not None or split_keys is not None or on_tc is not None:
         if scratch is None and n_splits is not None and n_splits > 1:  # NaN: a split read unwritten fails
             scratch = cuda.to_device(poisoned(mla.mla_scratch_size(M, H, Rkv, n_splits)))
-        mla._mla_attention_v2(*args, scratch, n_splits, 0, params=params, split_keys=split_keys)
+        mla._mla_attention_v2(*args, scratch, n_splits, 0, params=params, split_keys=split_keys, on_tc=on_tc)
     else:
         mla.mla_attention(*args, scratch=scratch, n_splits=n_splits, version=version)
     return o_d.copy_to_host()
 
 
 def check_attention(rng, cfg, L, M, n_splits=None, general_vis=False, version=None, params=None,
-                    device_L=False, split_keys=None):
+                    device_L=False, split_keys=None, on_tc=None, bound=F32_BOUND):
     q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
     if general_vis:  # any pattern with a visible diagonal, e.g. rows that do not see slot L
         vis = rng.random((M, M)) < 0.5
         vis[np.arange(M), np.arange(M)] = True
         vis[1:, 0] = False
     o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=n_splits, version=version,
-                      params=params, device_L=device_L, split_keys=split_keys)
+                      params=params, device_L=device_L, split_keys=split_keys, on_tc=on_tc)
     ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
     err = rel_err(o, ref)
-    assert err < F32_BOUND, (L, M, n_splits, version, params, err)
+    assert err < bound, (L, M, n_splits, version, params, on_tc, err)
     return err
 
 
@@ -603,22 +604,11 @@ def test_mla_chain_gpu_vs_naive(rng):
 TC_BOUND = 5e-5
 
 
-def check_attention_tc(rng, cfg, L, M, S, general_vis=False, device_L=True, bound=TC_BOUND):
-    """attn_tc against the float64 reference: S splits (S > 1: NaN-poisoned partials, the version 2 combine)."""
-    q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
-    if general_vis:
-        vis = rng.random((M, M)) < 0.5
-        vis[np.arange(M), np.arange(M)] = True
-    H, Rkv = cfg.num_attention_heads, cfg.kv_lora_rank
-    o_d = cuda.to_device(poisoned((M, H, Rkv)))
-    scratch = cuda.to_device(poisoned(max(1, mla.mla_scratch_size(M, H, Rkv, S))))
-    Lx = cuda.to_device(np.array([L], np.int64)) if device_L else L
-    mla._mla_attention_v2(cuda.to_device(q_abs), cuda.to_device(q_pe), cuda.to_device(c_kv), cuda.to_device(k_pe), Lx,
-                          cuda.to_device(vis.astype(np.uint8)), scale, o_d, scratch, S, 0, on_tc=True)
-    ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
-    err = rel_err(o_d.copy_to_host(), ref)
-    assert err < bound, (L, M, S, err)
-    return err
+def check_attention_tc(rng, cfg, L, M, S, general_vis=False):
+    """kdt.kernels.attn_tc against the float64 reference as the engine calls it (device L), S splits (S > 1:
+    NaN-poisoned partials, the version 2 combine), within TC_BOUND."""
+    return check_attention(rng, cfg, L, M, n_splits=S, general_vis=general_vis, device_L=True, on_tc=True,
+                           bound=TC_BOUND)
 
 
 @pytest.mark.kernels

@@ -341,12 +341,11 @@ else:
 
     # (hi, lo) of two float32 x0, x1 as bf16 pairs (x0 in the low halves), split_bf16x2's values in 8 instructions
     # (cvt.rn.bf16x2 rounds to nearest even, as f32_to_bf16; it puts its first operand in the high half)
-    _SPLIT_BODY = ("cvt.rn.bf16x2.f32 $0, kx1, kx0;\n\tshl.b32 kt0, $0, 16;\n\tand.b32 kt1, $0, 0xFFFF0000;\n\t"
-                   "mov.b32 kf0, kt0;\n\tmov.b32 kf1, kt1;\n\tsub.f32 kf0, kx0, kf0;\n\tsub.f32 kf1, kx1, kf1;\n\t"
-                   "cvt.rn.bf16x2.f32 $1, kf1, kf0;\n\t}")
-    _SPLIT_REGS = "{\n\t.reg .b32 kt0, kt1;\n\t.reg .f32 kf0, kf1, kx0, kx1;\n\t"
-    split_bf16x2_asm = _asm_intrinsic(_SPLIT_REGS + "mov.f32 kx0, $2;\n\tmov.f32 kx1, $3;\n\t" + _SPLIT_BODY,
-                                      "=r,=r,f,f", (_U32T, _U32T), (_F32T, _F32T))
+    split_bf16x2_asm = _asm_intrinsic(
+        "{\n\t.reg .b32 kt0, kt1;\n\t.reg .f32 kf0, kf1, kx0, kx1;\n\tmov.f32 kx0, $2;\n\tmov.f32 kx1, $3;\n\t"
+        "cvt.rn.bf16x2.f32 $0, kx1, kx0;\n\tshl.b32 kt0, $0, 16;\n\tand.b32 kt1, $0, 0xFFFF0000;\n\t"
+        "mov.b32 kf0, kt0;\n\tmov.b32 kf1, kt1;\n\tsub.f32 kf0, kx0, kf0;\n\tsub.f32 kf1, kx1, kf1;\n\t"
+        "cvt.rn.bf16x2.f32 $1, kf1, kf0;\n\t}", "=r,=r,f,f", (_U32T, _U32T), (_F32T, _F32T))
 
 
 @cuda.jit(device=True, inline=True)
