@@ -84,13 +84,21 @@ def _pad_rows(toks: np.ndarray, lp: np.ndarray, ncand: np.ndarray, vocab: int, r
 class OracleDrafter:
     """Knows ``sequence`` (prompt + true continuation). Puts the true next token at rank 0 with
     probability ``p_true``; with probability ``noise`` per depth the true token is demoted to a random
-    lower rank (half the time) or dropped."""
+    lower rank (half the time) or dropped.
+
+    ``on_device`` (noiseless only): the CUDA engine drafts it inside its one-program step
+    (:func:`kdt.kernels.ddtree.oracle_draft` on :meth:`padded` and :meth:`tables`), so the step needs nothing
+    from the host and goes in before its predecessor's tokens are read, as a learned drafter's does; the same
+    draft as :meth:`draft` within the known sequence. Elsewhere it drafts on the host."""
 
     def __init__(self, sequence: Sequence[int], vocab_size: int, noise: float = 0.0, p_true: float = 0.9,
-                 seed: int = 0):
+                 seed: int = 0, on_device: bool = False):
+        if on_device and noise > 0:
+            raise ValueError("the oracle drafts on the device only without noise")
         self.sequence = np.asarray(sequence, dtype=np.int64)
-        self.vocab, self.noise, self.p_true = vocab_size, noise, p_true
+        self.vocab, self.noise, self.p_true, self.on_device = vocab_size, noise, p_true, on_device
         self.rng = np.random.default_rng(seed)
+        self._pad_rng = np.random.default_rng((seed, 1))  # padded()'s own: drafts stay those of a host oracle
         self.name = "oracle" if noise == 0 else f"noisy-oracle({noise:g})"
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -119,6 +127,17 @@ class OracleDrafter:
             for a in blk:
                 a.flags.writeable = False
         return blk
+
+    def tables(self, depth: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(column offsets int64, log-probabilities float32), both [depth, min(k, V)]: a noiseless draft is
+        ``((sequence[n + d] + cols[d]) % V, logp)`` at context length n."""
+        return self._block(depth, min(k, self.vocab))
+
+    def padded(self, length: int) -> np.ndarray:
+        """The sequence cut or padded to ``length`` with random tokens (the device oracle's true tokens: past the
+        known sequence :meth:`draft` draws random ones too)."""
+        s = self.sequence[:length]
+        return np.concatenate([s, self._pad_rng.integers(0, self.vocab, length - s.shape[0])])
 
     def draft(self, context, depth: int, k: int):
         """Vectorised over depths (a step's drafting costs microseconds of host time, so the bench

@@ -7,14 +7,15 @@ Rows: q_absorb and uv_project at M = 1, 16, 64 (uv_project v2 on tensor cores fr
 attention at M = 1, 16, 64 and L = 512, 8192 (--L) with
   - "S(L)": the splits each version picks for that L (what kdt.kernels.bench times), L on the device;
   - "S(max)": the splits the engine uses (``mla_num_splits(max_len, M)``, max_len = 8192 + 64; most
-    of them empty at L = 512), L on the device as in its CUDA graphs;
+    of them empty at L = 512), L on the device as in its CUDA graphs (with ``--tc`` the engine's pre-split cache);
   - v2 "pf0"/"pf1" (S(max)): the other prefetch modes of the v2 attention tile loop (default pf2);
   - v2 "S(max)/2": half the splits (what KDT_MLA_BLOCKS_PER_SM=1 would pick);
   - v2 "S(max) kN" (``--split-keys``): at least N keys a split (what KDT_MLA_SPLIT_KEYS=N would pick);
   - v2 "fma S(max)" and "tc S(max)" (``--tc``): version 2's FMA kernel and the one on tensor cores
     (kdt.kernels.attn_tc, the default from KDT_MLA_ATTN_TC_M tokens: "v2 S(max)" is one of the two), each with the
-    engine's splits (tc: 2 m-tiles of 16 rows a block, 4 warps each); "tc nm1" one m-tile of 8 warps, "tc nm1 cap"
-    the same capped at 128 registers (2 blocks an SM).
+    engine's splits (tc: 2 m-tiles of 16 rows a block, 4 warps each); "tc hl" the same reading the pre-split cache
+    (kdt.kernels.mla.kv_hl_np: its key tiles copied, not split); "tc nm1" one m-tile of 8 warps, "tc nm1 cap" the
+    same capped at 128 registers (2 blocks an SM).
 Timing: kdt.kernels.bench.time_us (a spin kernel holds the GPU while a batch is queued). "GB/s" and
 "% copy" count the bytes that must move once (weights, q/o, the cache [0, L+M)) against the
 device-to-device copy bandwidth measured in the same run; "x v1" is v1's time over this row's.
@@ -40,22 +41,23 @@ MAX_LEN = 8192 + 64
 
 
 def _attention_tc(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, scratch, S: int, BC: int, regs: int, NM: int,
-                  NWK: int) -> None:
+                  NWK: int, kv_hl=None) -> None:
     """Version 2's attention on tensor cores (kdt.kernels.attn_tc): BC keys a tile, a register cap (0: none), NM
-    m-tiles a block of NWK warps each."""
+    m-tiles a block of NWK warps each, the pre-split cache ``kv_hl`` or the float32 caches."""
     BT = attn_tc.attention(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, scratch, S, BC=BC, regs=regs, NM=NM,
-                           NWK=NWK)
+                           NWK=NWK, kv_hl=kv_hl)
     if S > 1:
         mla._mla_combine_v2(scratch, S, L_dev, o_lat, BT)
 
 
 def _fma_splits(M: int, H: int, Rkv: int, dr: int) -> int:
     """The engine's splits of version 2's FMA attention (what KDT_MLA_ATTN_TC_M=0 would pick)."""
-    saved, attn_tc.TC_MIN_M = attn_tc.TC_MIN_M, 0
+    saved = attn_tc.TC_MIN_M, attn_tc.TC_LONG_M
+    attn_tc.TC_MIN_M = attn_tc.TC_LONG_M = 0
     try:
         return mla.mla_num_splits(MAX_LEN, M, H, Rkv, dr, version=2)
     finally:
-        attn_tc.TC_MIN_M = saved
+        attn_tc.TC_MIN_M, attn_tc.TC_LONG_M = saved
 
 
 def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), Ls: tuple[int, ...] = (512, 8192),
@@ -68,6 +70,9 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
                           cfg.v_head_dim)
     kv_b = rand((H * (dn + dv), Rkv), wdt, 1 / np.sqrt(Rkv))
     c_kv, k_pe = rand((MAX_LEN, Rkv)), rand((MAX_LEN, dr))
+    kv_hl = None
+    if tc and attn_tc.supports(H, Rkv, dr) and attn_tc.supports_hl(Rkv, dr):
+        kv_hl = cuda.to_device(mla.kv_hl_np(c_kv.copy_to_host(), k_pe.copy_to_host()))
     cos, sin = (cuda.to_device(t) for t in mla.rope_tables(cfg, MAX_LEN))
     scale = cfg.softmax_scale
     for M in Ms:
@@ -101,12 +106,15 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
                              ("v2 tc S(max)", 2, S, ("tc", 16, 0, 2, 4)),
                              ("v2 tc nm1 S(max)", 2, S1, ("tc", 16, 0, 1, 8)),
                              ("v2 tc nm1 cap S(max)", 2, S1, ("tc", 16, 128, 1, 8))]
+                if kv_hl is not None:
+                    variants.append(("v2 tc hl S(max)", 2, S, ("tc", 16, 0, 2, 4, kv_hl)))
             for label, v, S, prm in variants:
                 scratch = cuda.device_array(max(1, mla.mla_scratch_size(M, H, Rkv, S)), np.float32)
 
                 def fn(i, v=v, S=S, sc=scratch, Ld=L_dev, a=q_abs, p=q_pe, o=o_lat, vis=vis, prm=prm):
                     if prm is None:
-                        mla.mla_attention(a, p, c_kv, k_pe, Ld, vis, scale, o, scratch=sc, n_splits=S, version=v)
+                        mla.mla_attention(a, p, c_kv, k_pe, Ld, vis, scale, o, scratch=sc, n_splits=S, version=v,
+                                          kv_hl=kv_hl)
                     elif prm[0] == "fma":  # version 2's FMA kernel where the default would take tensor cores
                         mla._mla_attention_v2(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, 0, on_tc=False)
                     elif prm[0] == "tc":  # on tensor cores (BC, register cap)

@@ -19,9 +19,10 @@ def test_bench_quick_cpu_writes_json(tmp_path):
     assert doc["kdt_bench_version"] == 1 and doc["environment"]["backend"] == "cpu"
     assert doc["config"]["hidden_size"] == 256 and doc["copy_bandwidth_GBps"] > 0
     rows = {row["name"]: row for row in doc["rows"]}
-    for name in ("prefill P=16", "prefill P=64", "decode AR", "decode DDTree oracle", "decode DDTree noisy",
-                 "decode DDTree suffix", "verify n=1 L=16", "verify n=16 L=64", "stage draft", "stage tree build",
-                 "stage verify", "stage accept", "stage compaction", "stage host bookkeeping"):
+    for name in ("prefill P=16", "prefill P=64", "decode AR", "decode DDTree oracle",
+                 "decode DDTree oracle, host draft", "decode DDTree noisy", "decode DDTree suffix", "verify n=1 L=16",
+                 "verify n=16 L=64", "stage draft", "stage tree build", "stage verify", "stage accept",
+                 "stage compaction", "stage host bookkeeping"):
         assert name in rows, name
     for name, row in rows.items():
         assert set(row) >= {"kind", "value", "unit", "time_ms", "floor_ms", "x_floor", "peer", "vs_peer"}, name

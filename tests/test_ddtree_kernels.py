@@ -22,6 +22,7 @@ from kdt.kernels.ddtree import (
     build_tree_gpu,
     compact_gpu,
     gather_accepted,
+    oracle_draft_gpu,
     stage_draft,
     stage_tree,
     step_commit,
@@ -233,9 +234,10 @@ def test_device_pipeline(rng):
     assert all(hasattr(a, "copy_to_host") for a in d_acc)
     c_kv = rng.standard_normal((2, 12, 4)).astype(np.float32)
     k_pe = rng.standard_normal((2, 12, 3)).astype(np.float32)
-    d_c, d_k = cuda.to_device(c_kv), cuda.to_device(k_pe)
+    kv_hl = rng.integers(0, 1 << 32, (2, 12, 7), dtype=np.uint32)  # the pre-split cache (any words here)
+    d_c, d_k, d_hl = cuda.to_device(c_kv), cuda.to_device(k_pe), cuda.to_device(kv_hl)
     L_dev = cuda.to_device(np.array([2], np.int64))
-    compact_gpu(d_c, d_k, L_dev, d_acc.accepted[0], d_acc.n_accepted)  # L and n_acc read on the device
+    compact_gpu(d_c, d_k, L_dev, d_acc.accepted[0], d_acc.n_accepted, kv_hl=d_hl)  # L and n_acc read on the device
     accepted, bonus = follow_verified_tree(tree, tc[0, : tree.n])
     # step_commit: record[seq & 1] = [1 + a, choice at each accepted node], seq += 1, L += 1 + a, root = bonus
     record, root_dev = cuda.to_device(poisoned((2, budget + 2), np.int64)), cuda.to_device(np.array([-1], np.int64))
@@ -254,23 +256,28 @@ def test_device_pipeline(rng):
     np.testing.assert_array_equal(rec2[0], rec[0])
     assert seq.copy_to_host()[0] == 8 and L_dev.copy_to_host()[0] == 2 + accepted.size
     for layer in range(2):
-        compact_cache([c_kv[layer], k_pe[layer]], 2, accepted)
+        compact_cache([c_kv[layer], k_pe[layer], kv_hl[layer]], 2, accepted)
     np.testing.assert_array_equal(d_c.copy_to_host(), c_kv)
     np.testing.assert_array_equal(d_k.copy_to_host(), k_pe)
+    np.testing.assert_array_equal(d_hl.copy_to_host(), kv_hl)
 
 
 def run_compact_check(rng, n_layers, max_len, rkv, dr, L, accepted, nmax, threads=32):
-    """kv_compact on numpy caches (copied in and back) equals the reference, every slot compared."""
-    c_kv = rng.standard_normal((n_layers, max_len, rkv)).astype(np.float32)
-    k_pe = rng.standard_normal((n_layers, max_len, dr)).astype(np.float32)
-    want = [c_kv.copy(), k_pe.copy()]
+    """kv_compact on numpy caches (copied in and back) equals the reference, every slot compared: c_kv / k_pe
+    alone, then with the pre-split cache kv_hl [n_layers, max_len, rkv + dr] (random uint32 words)."""
+    caches = [rng.standard_normal((n_layers, max_len, rkv)).astype(np.float32),
+              rng.standard_normal((n_layers, max_len, dr)).astype(np.float32),
+              rng.integers(0, 1 << 32, (n_layers, max_len, rkv + dr), dtype=np.uint32)]
+    want = [a.copy() for a in caches]
     for layer in range(n_layers):
-        compact_cache([want[0][layer], want[1][layer]], L, accepted)
+        compact_cache([a[layer] for a in want], L, accepted)
     acc = np.full(nmax, -1, np.int32)  # padded like tree_accept's output
     acc[: len(accepted)] = accepted
-    compact_gpu(c_kv, k_pe, L, acc, len(accepted), threads=threads)
-    np.testing.assert_array_equal(c_kv, want[0])
-    np.testing.assert_array_equal(k_pe, want[1])
+    for n in (2, 3):  # without, then with kv_hl
+        got = [a.copy() for a in caches[:n]]
+        compact_gpu(got[0], got[1], L, acc, len(accepted), threads=threads, kv_hl=got[2] if n == 3 else None)
+        for g, w in zip(got, want[:n], strict=True):
+            np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.kernels
@@ -364,6 +371,27 @@ def test_draft_topk(rng, D, V, K):
 def test_draft_topk_gpu(rng, D, V, K):
     for ties in (False, True):
         check_topk(rng, D, V, K, ties)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("D, K, V", [(1, 1, 50), (7, 8, 50), (3, 40, 1000)])  # 3 x 40: past one block's threads
+def test_oracle_draft_equals_the_host_oracle(rng, D, K, V):
+    """oracle_draft (the device oracle's draft) == OracleDrafter.draft at the same context length, the sequence
+    random (tokens near V, so the modulo wraps), L at random within the known sequence; outputs poisoned."""
+    from kdt.drafters import OracleDrafter
+
+    n_seq = 30
+    d = OracleDrafter(rng.integers(V - 20, V, n_seq), V, seed=int(rng.integers(1 << 30)), on_device=True)
+    max_len = n_seq + 2
+    seq = cuda.to_device(d.padded(max_len + 64))
+    cols, logp = (cuda.to_device(a) for a in d.tables(D, K))
+    for L in (0, int(rng.integers(1, n_seq - D - 1)), n_seq - D - 1):
+        tok, lp = cuda.to_device(poisoned((1, D, K), np.int64)), cuda.to_device(poisoned((1, D, K)))
+        oracle_draft_gpu(seq, cuda.to_device(np.array([L], np.int64)), cols, logp, tok, lp, V)
+        want_tok, want_lp = d.draft(np.zeros(L + 1, np.int64), D, K)
+        np.testing.assert_array_equal(tok.copy_to_host()[0], want_tok)
+        np.testing.assert_array_equal(lp.copy_to_host()[0], want_lp)
+        assert want_tok[0, 0] == d.sequence[L + 1] and len(set(want_tok[-1].tolist())) == K
 
 
 def test_topk_validates():

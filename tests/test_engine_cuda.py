@@ -86,6 +86,30 @@ def test_forward_prefill_chunks_and_tree_verify_match_reference(dtype, fused, rn
     assert rel_err(out, exp) < 1e-5
 
 
+@sim_only
+def test_pre_split_cache_follows_the_latent_caches(monkeypatch, rng):
+    """The pre-split latent cache kv_hl [n_layers, max_len, Rkv + dr] (on by force: MICRO's kv_lora_rank 16 is
+    below the tensor-core attention's shapes, kdt.engine.cuda_model.uses_kv_hl) after a prefill, a tree verify and
+    a compaction that moves a slot: kdt.kernels.mla.kv_hl_np of c_kv / k_pe on every committed slot of every layer,
+    bit for bit (the latent writes as the engine runs them by default; simulator time: two forwards)."""
+    from kdt.engine import cuda_model as cmod
+    from kdt.kernels import mla
+
+    monkeypatch.setattr(cmod, "uses_kv_hl", lambda cfg, max_tokens: True)
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    P, max_len = 3, 12
+    cm = cuda_model(MICRO, w, max_len=max_len)
+    cm.forward(rng.integers(0, MICRO.vocab_size, P), np.arange(P), 0, causal_block(P))
+    # a tree: root -> 1 -> 2, root -> 3 (positions L + depth); the accepted path [0, 3] moves slot P + 3 to P + 1
+    vis = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], bool)
+    cm.forward(rng.integers(0, MICRO.vocab_size, 4), P + np.array([0, 1, 2, 1]), P, vis)
+    cm.compact(P, [0, 3])
+    n = P + 2  # committed slots
+    c_kv, k_pe, kv_hl = (a.copy_to_host() for a in (cm.c_kv, cm.k_pe, cm.kv_hl))
+    assert kv_hl.shape == (MICRO.num_hidden_layers, max_len, MICRO.kv_lora_rank + MICRO.qk_rope_head_dim)
+    np.testing.assert_array_equal(kv_hl[:, :n], mla.kv_hl_np(c_kv[:, :n], k_pe[:, :n]))
+
+
 def test_token_chunks_cover_m_with_the_fewest_near_equal_chunks():
     from kdt.kernels import moe
 
@@ -262,6 +286,38 @@ def test_device_step_program_equals_separate_steps(rng):
     assert step.dropped == len(stops) and (not stops or runs[1].finish_reason == "stop")
 
 
+@sim_only
+def test_device_oracle_steps(rng):
+    """The oracle drafting inside the step program (OracleDrafter(on_device=True): kdt.kernels.ddtree.oracle_draft,
+    whose drafts equal the host oracle's in test_ddtree_kernels): the reference AR's tokens, every step accepting
+    the whole block, the second step launched before the first is read, no host drafting; a drafter of another
+    sequence reloads the program's sequence and tables at start (simulator time: one generate, ~75 s)."""
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    V, n = MICRO.vocab_size, 7
+    prompt = rng.integers(0, V, 3)
+    ar = ar_generate(RefModel(MICRO, w, max_len=40), prompt, n, keep_logits=True)
+    k = safe_len(ar.logits)
+    cm = cuda_model(MICRO, w)
+    seq = np.concatenate([prompt, ar.tokens])
+    step = cm.tree_ops.device_step(OracleDrafter(seq, V, on_device=True))
+    assert step.oracle is not None and step.drafts_on_device and step.pipelines(3)
+    in_flight, result = [], step.result
+    step.result = lambda: (in_flight.append(len(step.in_flight)), result())[1]
+    res = generate(cm, prompt, n, drafter=OracleDrafter(seq, V, on_device=True), budget=3, block_size=3)
+    assert res.tokens[:k] == ar.tokens[:k] and len(res.tokens) == n
+    assert k < n or res.accept_lengths == [3, 3]
+    assert in_flight == [2, 1] and res.host_parts["draft"] == 0.0
+    other = OracleDrafter(rng.integers(0, V, 30), V, seed=1, on_device=True)
+    assert cm.tree_ops.device_step(other) is step
+    step.start(3, 0)
+    assert (step.oracle.sequence.copy_to_host()[:30] == other.sequence).all()
+    for (D, K), bufs in step.oracle.tables.items():
+        for got, want in zip(bufs, other.tables(D, K), strict=True):
+            np.testing.assert_array_equal(got.copy_to_host(), want)
+    with pytest.raises(ValueError, match="without noise"):
+        OracleDrafter(seq, V, noise=0.2, on_device=True)
+
+
 def check_draft_model(cfg, rng, n_ctx: int, max_tokens: int, block: int, layers: int, dtype="float32") -> None:
     """CudaDraftModel (the drafter on the target's kernels) == the NumPy DraftModel: context rows added
     in two chunks (the second longer than its buffers: chunked again), then a block's logits. ``dtype``:
@@ -393,12 +449,12 @@ def test_cuda_invariant_200_random_trials(rng):
         k = safe_len(ar.logits)
         seq = np.concatenate([prompt, ar.tokens, rng.integers(0, V, 32)])
         budget, block = int(rng.choice([1, 4, 16, 64, 128])), int(rng.choice([2, 4, 8, 16]))
-        for d in (OracleDrafter(seq, V, seed=trials), OracleDrafter(seq, V, noise=0.4, seed=trials),
-                  UselessDrafter(V, seed=trials), SuffixDrafter(V)):
+        for d in (OracleDrafter(seq, V, seed=trials), OracleDrafter(seq, V, seed=trials, on_device=True),
+                  OracleDrafter(seq, V, noise=0.4, seed=trials), UselessDrafter(V, seed=trials), SuffixDrafter(V)):
             res = generate(target, prompt, n, drafter=d, budget=budget, block_size=block)
             assert res.tokens[:k] == ar.tokens[:k], (d.name, budget, block, prompt.tolist())
             trials += 1
-    assert trials >= 200
+    assert trials >= 250
 
 
 @pytest.mark.gpu

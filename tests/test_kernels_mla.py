@@ -94,34 +94,41 @@ def attention_inputs(rng, cfg, L: int, M: int, extra: int = 3):
 
 
 def run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=None, scratch=None, version=None,
-                  params=None, device_L=False, split_keys=None, on_tc=None):
+                  params=None, device_L=False, split_keys=None, on_tc=None, hl=False):
     """o_lat of mla_attention (``params``: a v2 geometry (G, A, NW, VPL, CG[, PF]) instead of the
     default one; ``device_L``: L passed as a device scalar, as in the engine's CUDA graphs; ``split_keys``: v2's
     floor on a split's keys instead of mla.SPLIT_KEYS; ``on_tc``: v2 on tensor cores (kdt.kernels.attn_tc) or not,
-    whatever M)."""
+    whatever M; ``hl``: with the pre-split cache (mla.kv_hl_np of both caches), as the engine passes it)."""
     M, H, Rkv = q_abs.shape
     o_d = cuda.to_device(poisoned((M, H, Rkv)))
     args = (cuda.to_device(q_abs), cuda.to_device(q_pe), cuda.to_device(c_kv), cuda.to_device(k_pe),
             cuda.to_device(np.array([L], np.int64)) if device_L else L, cuda.to_device(vis.astype(np.uint8)),
             scale, o_d)
-    if params is not None or split_keys is not None or on_tc is not None:
+    if params is not None or split_keys is not None or on_tc is not None or hl:
         if scratch is None and n_splits is not None and n_splits > 1:  # NaN: a split read unwritten fails
             scratch = cuda.to_device(poisoned(mla.mla_scratch_size(M, H, Rkv, n_splits)))
-        mla._mla_attention_v2(*args, scratch, n_splits, 0, params=params, split_keys=split_keys, on_tc=on_tc)
+        kv_hl = cuda.to_device(mla.kv_hl_np(c_kv, k_pe)) if hl else None
+        mla._mla_attention_v2(*args, scratch, n_splits, 0, params=params, split_keys=split_keys, on_tc=on_tc,
+                              kv_hl=kv_hl)
     else:
         mla.mla_attention(*args, scratch=scratch, n_splits=n_splits, version=version)
     return o_d.copy_to_host()
 
 
 def check_attention(rng, cfg, L, M, n_splits=None, general_vis=False, version=None, params=None,
-                    device_L=False, split_keys=None, on_tc=None, bound=F32_BOUND):
+                    device_L=False, split_keys=None, on_tc=None, bound=F32_BOUND, hl=False):
+    """The attention's o_lat (:func:`run_attention`'s options) against the float64 reference within ``bound``;
+    with ``hl`` also without the pre-split cache, bit for bit the same."""
     q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
     if general_vis:  # any pattern with a visible diagonal, e.g. rows that do not see slot L
         vis = rng.random((M, M)) < 0.5
         vis[np.arange(M), np.arange(M)] = True
         vis[1:, 0] = False
-    o = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=n_splits, version=version,
-                      params=params, device_L=device_L, split_keys=split_keys, on_tc=on_tc)
+    o, *other = (run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=n_splits, version=version,
+                               params=params, device_L=device_L, split_keys=split_keys, on_tc=on_tc, hl=h)
+                 for h in ((True, False) if hl else (False,)))
+    for o2 in other:  # the key tiles' words are the same whether copied pre-split or split in shared memory
+        np.testing.assert_array_equal(o, o2)
     ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
     err = rel_err(o, ref)
     assert err < bound, (L, M, n_splits, version, params, on_tc, err)
@@ -175,6 +182,26 @@ def run_chain(rng, cfg, L, M, wdtype, interleave, extra=2, version=None):
 
 
 # ---- 1. kv_latent_write -------------------------------------------------------------------------------
+HL_POISON = 0xDEADBEEF  # words of the pre-split cache kv_hl never written
+
+
+def hl_stack(max_len: int, F: int):
+    """A poisoned stacked pre-split cache [2, max_len, F] uint32 on the device (the kernels get its layer view [1])."""
+    return cuda.to_device(np.full((2, max_len, F), HL_POISON, np.uint32))
+
+
+def check_kv_hl_run(plain, with_hl, L: int, M: int) -> None:
+    """A latent write with the pre-split cache (host copies c_kv [max_len, Rkv], k_pe [max_len, dr], the stack
+    kv_hl [2, max_len, Rkv + dr] whose layer 1 the kernel got) against one without (c_kv, k_pe): the same c_kv /
+    k_pe bits, kv_hl[1, L:L+M] = kv_hl_np of those rows bit for bit, every other word of the stack still poisoned."""
+    c_kv, k_pe, hl = with_hl
+    for want, got in zip(plain, (c_kv, k_pe), strict=True):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(hl[1, L:L + M], mla.kv_hl_np(c_kv[L:L + M], k_pe[L:L + M]))
+    hl[1, L:L + M] = HL_POISON
+    assert (hl == HL_POISON).all(), "kv_hl written outside layer 1's rows [L, L+M)"
+
+
 def check_kv_latent_write(rng, cfg, L, M, interleave, norm_dtype):
     Rkv, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     vis, depth = tree_vis(rng, M)
@@ -188,12 +215,15 @@ def check_kv_latent_write(rng, cfg, L, M, interleave, norm_dtype):
     else:
         w_dev, w_ref = cuda.to_device(w), w
     max_len = L + M + 4
-    c_kv_d = cuda.to_device(poisoned((max_len, Rkv)))
-    k_pe_d = cuda.to_device(poisoned((max_len, dr)))
     d = cuda.to_device
-    mla.kv_latent_write(d(c), w_dev, cfg.rms_norm_eps, d(positions), d(cos_tab), d(sin_tab), L, c_kv_d,
-                        k_pe_d, interleave)
-    c_kv, k_pe = c_kv_d.copy_to_host(), k_pe_d.copy_to_host()
+    runs = []
+    for hl in (None, hl_stack(max_len, Rkv + dr)):  # without, then with the pre-split cache
+        c_kv_d, k_pe_d = d(poisoned((max_len, Rkv))), d(poisoned((max_len, dr)))
+        mla.kv_latent_write(d(c), w_dev, cfg.rms_norm_eps, d(positions), d(cos_tab), d(sin_tab), L, c_kv_d,
+                            k_pe_d, interleave, kv_hl=None if hl is None else hl[1])
+        runs.append([a.copy_to_host() for a in (c_kv_d, k_pe_d) + (() if hl is None else (hl,))])
+    check_kv_hl_run(*runs, L, M)
+    c_kv, k_pe = runs[0]
     f = np.float64
     cos, sin = ops.rope_cos_sin(cfg, positions, f)
     ref_c = ops.rmsnorm(c[:, :Rkv].astype(f), w_ref.astype(f), cfg.rms_norm_eps)
@@ -250,7 +280,8 @@ def test_q_absorb(rng, M, wdtype, version):
 def check_latent_write_and_absorb(rng, cfg, M, wdtype):
     """The fused launch (KDT_MLA_FUSE_KV) writes exactly what kv_latent_write and q_absorb (v2) write apart,
     both tested against the reference above: q and c column slices of one stacked projection as in the
-    engine, outputs poisoned, cache slots outside [L, L + M) left alone."""
+    engine, outputs poisoned, cache slots outside [L, L + M) left alone; fused with the pre-split cache too
+    (its rows kv_hl_np of the latents, the other outputs' bits unchanged)."""
     H, dn, dr, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     Nq, L, max_len = H * (dn + dr), 5, 5 + M + 3
     positions = (L + rng.integers(0, M + 1, size=M)).astype(np.int64)
@@ -260,14 +291,17 @@ def check_latent_write_and_absorb(rng, cfg, M, wdtype):
     gw = cuda.to_device((1.0 + 0.1 * rng.standard_normal(Rkv)).astype(np.float32))
     pos_d, L_d = cuda.to_device(positions), cuda.to_device(np.array([L], np.int64))
     got = []
-    for fuse in (False, True):
+    for fuse, hl in ((False, None), (True, None), (True, hl_stack(max_len, Rkv + dr))):
         out = [cuda.to_device(poisoned(sh)) for sh in ((M, H, Rkv), (M, H, dr), (max_len, Rkv), (max_len, dr))]
         mla.latent_write_and_absorb(qkv[:, Nq:], gw, cfg.rms_norm_eps, L_d, out[2], out[3], qkv[:, :Nq], kv_b_d,
-                                    pos_d, cos_d, sin_d, cfg.rope_interleave, out[0], out[1], fuse=fuse)
-        got.append([o.copy_to_host() for o in out])
+                                    pos_d, cos_d, sin_d, cfg.rope_interleave, out[0], out[1], fuse=fuse,
+                                    kv_hl=None if hl is None else hl[1])
+        got.append([o.copy_to_host() for o in out] + ([] if hl is None else [hl.copy_to_host()]))
     assert not np.isnan(got[0][0]).any() and not np.isnan(got[0][2][L:L + M]).any()
-    for sep, fused in zip(*got, strict=True):
-        np.testing.assert_array_equal(fused, sep)  # NaN (never written) where the separate launches left NaN
+    for run in got[1:]:
+        for sep, fused in zip(got[0], run[:4], strict=True):  # NaN (never written) where the separate launches
+            np.testing.assert_array_equal(fused.view(np.uint32), sep.view(np.uint32))  # left NaN, bit for bit
+    check_kv_hl_run(got[0][2:], got[2][2:], L, M)
 
 
 def test_latent_write_block_matches_q_absorb2():
@@ -605,10 +639,11 @@ TC_BOUND = 5e-5
 
 
 def check_attention_tc(rng, cfg, L, M, S, general_vis=False):
-    """kdt.kernels.attn_tc against the float64 reference as the engine calls it (device L), S splits (S > 1:
-    NaN-poisoned partials, the version 2 combine), within TC_BOUND."""
+    """kdt.kernels.attn_tc against the float64 reference as the engine calls it (device L, the pre-split cache), S
+    splits (S > 1: NaN-poisoned partials, the version 2 combine), within TC_BOUND; and from the float32 caches
+    (key tiles split in shared memory: the drafter's path), bit for bit the same."""
     return check_attention(rng, cfg, L, M, n_splits=S, general_vis=general_vis, device_L=True, on_tc=True,
-                           bound=TC_BOUND)
+                           bound=TC_BOUND, hl=True)
 
 
 @pytest.mark.kernels
@@ -626,11 +661,67 @@ def test_mla_attention_tc_general_vis(rng):
     check_attention_tc(rng, code_cfg(), 9, 6, 2, general_vis=True)
 
 
-def test_mla_attention_tc_dispatch(monkeypatch):
-    """KDT_MLA_ATTN_TC_M: version 2's splits (and so the engine's scratch) follow the tensor-core kernel from that M on,
-    for shapes it takes; off (0) they are the FMA kernel's."""
+def check_shared_by_prefix(rng, cfg, M: int, S: int, LX: int) -> None:
+    """Token counts that both kernels take by prefix (attn_tc.shares_tc: M tokens, the tensor cores from LX keys):
+    with L on the device (a CUDA graph) both launch into the same NaN-poisoned partials, each returning at once
+    outside its prefixes: at L = LX the result is the tensor-core kernel's alone, bit for bit, at LX - 1 within
+    F32_BOUND; an L on the host picks one kernel. Each kernel alone at a prefix that is not its own writes nothing
+    (so below LX the result is the FMA kernel's)."""
     from kdt.kernels import attn_tc
 
+    H, Rkv, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    assert attn_tc.shares_tc(M, H, Rkv, dr, 8) and not attn_tc.uses_tc(M, H, Rkv, dr) and attn_tc.TC_LONG_L == LX
+    assert mla.mla_num_splits(LX + 40, M, H, Rkv, dr) == attn_tc.num_splits(LX + 40, M, H)
+    for L in (LX - 1, LX):  # (simulator time: the tensor-core kernel runs twice, the FMA kernel twice)
+        q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
+        ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
+        both = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=S, device_L=True, hl=True)
+        other = run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=S, device_L=L >= LX, hl=True,
+                              on_tc=True if L >= LX else None)  # the tensor cores alone; the FMA kernel by host L
+        assert rel_err(both, ref) < (TC_BOUND if L >= LX else F32_BOUND), (L, rel_err(both, ref))
+        if L >= LX:
+            np.testing.assert_array_equal(both, other)
+        else:
+            assert rel_err(other, ref) < F32_BOUND
+    dev = cuda.to_device
+    q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, LX + 6, M)
+    args = [dev(q_abs), dev(q_pe), dev(c_kv), dev(k_pe), None, dev(vis.astype(np.uint8)), np.float32(scale)]
+    for L, launch in ((LX - 14, "tc"), (LX + 6, "fma")):  # each at the other's prefixes: its outputs stay poisoned
+        args[4] = dev(np.array([L], np.int64))
+        o, part = dev(poisoned((M, H, Rkv))), dev(poisoned(mla.mla_scratch_size(M, H, Rkv, S)))
+        if launch == "tc":
+            attn_tc.attention(*args, o, part, S, kv_hl=dev(mla.kv_hl_np(c_kv, k_pe)), LMIN=LX)
+        else:
+            k = mla._attention2_kernel(Rkv, dr, *mla._attn2_params(H, Rkv, dr), LMAX=LX, KR=attn_tc.BC_DEFAULT)
+            k[(-(-H // k.geom["R"]), M, S), k.geom["NT"]](*args, o, part)
+        assert np.isnan(o.copy_to_host()).all() and np.isnan(part.copy_to_host()).all(), launch
+
+
+@pytest.mark.kernels
+def test_mla_attention_shared_by_prefix(rng, monkeypatch):
+    """check_shared_by_prefix at model_code's shape, M = 5 in the shared range, the tensor cores from 24 keys."""
+    from kdt.kernels import attn_tc
+
+    monkeypatch.setattr(attn_tc, "TC_MIN_M", 100)
+    monkeypatch.setattr(attn_tc, "TC_LONG_M", 4)
+    monkeypatch.setattr(attn_tc, "TC_LONG_L", 24)
+    check_shared_by_prefix(rng, code_cfg(), 5, 3, 24)
+
+
+def test_mla_attention_tc_dispatch(monkeypatch):
+    """KDT_MLA_ATTN_TC_M: version 2's splits (and so the engine's scratch) follow the tensor-core kernel from that M on,
+    for shapes it takes; off (0) they are the FMA kernel's. KDT_MLA_ATTN_TC_LONG_M: from there up to TC_MIN_M both
+    kernels share the token count by prefix, with the tensor cores' splits."""
+    from kdt.kernels import attn_tc
+
+    monkeypatch.setattr(attn_tc, "TC_MIN_M", 96)
+    monkeypatch.setattr(attn_tc, "TC_LONG_M", 64)
+    assert [attn_tc.shares_tc(M, 16, 512, 64, 8) for M in (63, 64, 95, 96)] == [False, True, True, False]
+    assert not attn_tc.shares_tc(64, 16, 512, 64, 32)  # an FMA key tile that does not divide the tensor cores' 16
+    assert attn_tc.min_tokens(16, 512, 64) == 64 and attn_tc.min_tokens(2, 16, 4) == 0
+    assert mla.mla_num_splits(8192, 70, 16, version=2) == attn_tc.num_splits(8192, 70, 16)
+    monkeypatch.setattr(attn_tc, "TC_LONG_M", 0)
+    assert not attn_tc.shares_tc(64, 16, 512, 64, 8) and attn_tc.min_tokens(16, 512, 64) == 96
     monkeypatch.setattr(attn_tc, "TC_MIN_M", 16)
     assert mla.mla_num_splits(8192, 64, 16, version=2) == attn_tc.num_splits(8192, 64, 16)
     assert attn_tc.num_splits(8192, 64, 16) == 8  # 32 blocks of 32 rows, 2 blocks an SM on 132 SMs
@@ -653,3 +744,15 @@ def test_mla_attention_tc_gpu(rng, H, L, M):
     cfg = real_cfg(H)
     check_attention_tc(rng, cfg, L, M, attn_tc.num_splits(8192 + 256, M, H))
     check_attention_tc(rng, cfg, L, M, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+def test_mla_attention_shared_by_prefix_gpu(rng, monkeypatch):
+    """check_shared_by_prefix at Moonlight's shape, 64 tokens shared (the tensor cores from TC_LONG_L keys), the
+    engine's splits."""
+    from kdt.kernels import attn_tc
+
+    monkeypatch.setattr(attn_tc, "TC_MIN_M", 128)
+    monkeypatch.setattr(attn_tc, "TC_LONG_M", 64)
+    check_shared_by_prefix(rng, real_cfg(16), 64, attn_tc.num_splits(8192 + 256, 64, 16), attn_tc.TC_LONG_L)

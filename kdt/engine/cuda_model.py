@@ -10,7 +10,8 @@ stages and accepts trees with the kernels of kdt.kernels.ddtree, the tree never 
 ``CudaDraftModel`` runs the learned block drafter on the same layer code (:class:`DecoderStack`).
 
 Device state: weights (float32 or bf16 bits for every matrix; norms, router and bias in float32), the
-latent caches ``c_kv[n_layers, max_len, Rkv]`` and ``k_pe[n_layers, max_len, dr]``, RoPE tables
+latent caches ``c_kv[n_layers, max_len, Rkv]`` and ``k_pe[n_layers, max_len, dr]`` (and, where the tensor-core
+attention can run, their pre-split copy ``kv_hl[n_layers, max_len, Rkv + dr]``: :func:`uses_kv_hl`), RoPE tables
 ``[max_len, dr/2]`` computed once, and activation buffers for up to ``max_tokens`` tokens per forward
 (longer causal prompts are prefilled in chunks of that size).
 """
@@ -25,9 +26,9 @@ from numba import cuda
 
 from kdt.config import ModelConfig
 from kdt.errors import KdtError
+from kdt.kernels import attn_tc, mla, moe
 from kdt.kernels import ddtree as kd
 from kdt.kernels import elementwise as ew
-from kdt.kernels import mla, moe
 from kdt.kernels.common import IS_SIM, f32_to_bf16_bits, pdl_capture
 from kdt.kernels.linear import linear
 from kdt.reference.model import layer_prefix
@@ -258,6 +259,15 @@ class DeviceLogits:
         return self.shape[0]
 
 
+def uses_kv_hl(cfg: ModelConfig, max_tokens: int) -> bool:
+    """Whether a stack of this config keeps the pre-split latent cache ``kv_hl`` (uint32 [n_layers, max_len,
+    Rkv + dr], kdt.kernels.mla.kv_hl_np's words) beside c_kv / k_pe: where version 2's attention can run on tensor
+    cores (kdt.kernels.attn_tc, which reads it: forwards of attn_tc.min_tokens or more) and its rows are whole
+    16-byte copies (attn_tc.supports_hl)."""
+    H, Rkv, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    return 0 < attn_tc.min_tokens(H, Rkv, dr) <= max_tokens and attn_tc.supports_hl(Rkv, dr)
+
+
 class DecoderStack:
     """Decoder layers on the GPU with their latent caches, RoPE tables and activation buffers: what the
     target (:class:`CudaModel`) and the learned drafter (:class:`CudaDraftModel`) share.
@@ -273,6 +283,8 @@ class DecoderStack:
         n = cfg.num_hidden_layers
         self.c_kv = cuda.to_device(np.zeros((n, self.max_len, cfg.kv_lora_rank), np.float32))
         self.k_pe = cuda.to_device(np.zeros((n, self.max_len, cfg.qk_rope_head_dim), np.float32))
+        F = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        self.kv_hl = cuda.to_device(np.zeros((n, self.max_len, F), np.uint32)) if uses_kv_hl(cfg, self.M_max) else None
         cos, sin = mla.rope_tables(cfg, self.max_len)
         self.cos_tab, self.sin_tab = cuda.to_device(cos), cuda.to_device(sin)
         self.buf = Buffers(cfg, self.M_max, self.max_len)
@@ -329,11 +341,12 @@ class DecoderStack:
                 linear(b.qa[:M], lw.q_b_proj, q, stream=s)
             else:
                 q = qkv[:, : b.Nq]
+            kv_hl = None if self.kv_hl is None else self.kv_hl[i]
             mla.latent_write_and_absorb(qkv[:, b.Nq:], lw.kv_a_layernorm, eps, b.L, self.c_kv[i], self.k_pe[i], q,
                                         lw.kv_b_proj, positions, self.cos_tab, self.sin_tab, cfg.rope_interleave,
-                                        b.q_abs[:M], b.q_pe[:M], stream=s)
+                                        b.q_abs[:M], b.q_pe[:M], stream=s, kv_hl=kv_hl)
             mla.mla_attention(b.q_abs[:M], b.q_pe[:M], self.c_kv[i], self.k_pe[i], b.L, vis, cfg.softmax_scale,
-                              b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s)
+                              b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s, kv_hl=kv_hl)
             mla.uv_project(b.o_lat[:M], lw.kv_b_proj, b.o[:M], stream=s)
             linear(b.o[:M], lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
             if lw.moe is not None:
@@ -440,7 +453,7 @@ class CudaModel(DecoderStack):
         if np.array_equal(acc, np.arange(acc.shape[0])):
             return  # the accepted path already sits in slots [L, L + n): nothing moves (AR, chains)
         self.buf.acc[: acc.shape[0]].copy_to_device(acc)
-        kd.compact_gpu(self.c_kv, self.k_pe, self.buf.L, self.buf.acc, int(acc.shape[0]))
+        kd.compact_gpu(self.c_kv, self.k_pe, self.buf.L, self.buf.acc, int(acc.shape[0]), kv_hl=self.kv_hl)
 
 
 # The learned drafter's matrices on the device: "float32" (as stored) or "bf16" (env KDT_DRAFTER_DTYPE).

@@ -6,7 +6,8 @@ Two ways to run a step, same results:
   choice, accept, with the host reading the node count, the choices and the accepted path). Any
   drafter, greedy or sampled.
 - :class:`StepGraph`: a whole greedy step as one program on the device, replayed from one CUDA graph
-  per (budget, depth, K): [the learned drafter's block and its top-k] -> tree build -> stage ->
+  per (budget, depth, K): [the learned drafter's block and its top-k, or the noiseless oracle's draft from its
+  sequence (:class:`DeviceOracle`)] -> tree build -> stage ->
   target forward -> argmax -> accept -> KV compaction -> [the accepted nodes' features as the drafter's
   next context rows, and its next step's rows staged] -> commit (L += 1 + a, the bonus becomes the root).
   The drafter runs once per step: the previous step's context rows and this step's block in one forward
@@ -147,12 +148,41 @@ class CudaTreeOps(TreeOps):
         if getattr(drafter, "feature_layers", None) and not on_device:
             return None
         draft_model = drafter.model if on_device else None
-        key = (id(draft_model), self.model.feature_layers)
+        oracle = getattr(drafter, "on_device", False) and not on_device  # the noiseless oracle's kernel
+        key = ("oracle" if oracle else id(draft_model), self.model.feature_layers)
         step = self._steps.get(key)
         if step is None or step.draft_model is not draft_model:
-            step = self._steps[key] = StepGraph(self, draft_model)
+            step = self._steps[key] = StepGraph(self, draft_model, DeviceOracle(self.model) if oracle else None)
         step.drafter = drafter
         return step
+
+
+class DeviceOracle:
+    """The noiseless oracle drafting inside the step program (:class:`kdt.drafters.OracleDrafter` with
+    ``on_device``): its sequence padded past the known continuation, and its column offsets and log-probabilities
+    per (D, K), in device buffers that the captured graphs keep; ``load(drafter)`` refills them for a new one."""
+
+    def __init__(self, model: CudaModel):
+        self.V = model.cfg.vocab_size
+        self.sequence = cuda.device_array(model.max_len + kd.ORACLE_PAD, np.int64)  # [max_len + pad]
+        self.tables: dict[tuple[int, int], tuple] = {}  # (D, K) -> cols [D, K] int64, logp [D, K] float32
+        self.drafter = None
+
+    def load(self, drafter) -> None:
+        self.drafter = drafter
+        self.sequence.copy_to_device(drafter.padded(self.sequence.shape[0]))
+        for (D, K), (cols, logp) in self.tables.items():
+            c, lp = drafter.tables(D, K)
+            cols.copy_to_device(np.ascontiguousarray(c))
+            logp.copy_to_device(np.ascontiguousarray(lp))
+
+    def program(self, L, d_tok, d_logp, stream=0) -> None:
+        """The draft at the device's prefix ``L`` [1] into d_tok / d_logp [1, D, K] (a step program's part)."""
+        _, D, K = d_tok.shape
+        if (D, K) not in self.tables:  # (first met in a direct run, before any capture)
+            self.tables[D, K] = tuple(cuda.to_device(np.ascontiguousarray(a)) for a in self.drafter.tables(D, K))
+        cols, logp = self.tables[D, K]
+        kd.oracle_draft_gpu(self.sequence, L, cols, logp, d_tok, d_logp, self.V, stream=stream)
 
 
 def drafts_on_device(drafter, model: CudaModel) -> bool:
@@ -220,8 +250,8 @@ class StepGraph:
     is an AR step.
     ``start(L, root)`` after the prefill; then each ``step`` returns the committed tokens."""
 
-    def __init__(self, ops: CudaTreeOps, draft_model: CudaDraftModel | None):
-        self.ops, self.model, self.draft_model = ops, ops.model, draft_model
+    def __init__(self, ops: CudaTreeOps, draft_model: CudaDraftModel | None, oracle: DeviceOracle | None = None):
+        self.ops, self.model, self.draft_model, self.oracle = ops, ops.model, draft_model, oracle
         self.drafter = None
         n = ops.nmax
         # two rows [1 + a, committed tokens] in host memory mapped into the device, written in turn by
@@ -242,7 +272,7 @@ class StepGraph:
 
     @property
     def drafts_on_device(self) -> bool:
-        return self.draft_model is not None
+        return self.draft_model is not None or self.oracle is not None
 
     def start(self, L: int, root: int) -> None:
         """The device state after the prefill: prefix length L (cache slots [0, L) hold the prompt) and
@@ -251,6 +281,8 @@ class StepGraph:
             raise RuntimeError("StepGraph.start with steps in flight: read or discard them first")
         self._set_target(L, root)
         self.pending_ctx = False
+        if self.oracle is not None:
+            self.oracle.load(self.drafter)
         if self.draft_model is not None:  # its context holds [0, L) (the prefill's rows)
             self._set_drafter(L)
 
@@ -284,9 +316,9 @@ class StepGraph:
             raise RuntimeError("StepGraph.launch: two steps in flight already (read one with result())")
         if budget > 0:
             self.ops.check_budget(budget)
-            if draft is None and self.draft_model is None:
+            if draft is None and not self.drafts_on_device:
                 raise ValueError("this step program does not draft on the device: pass the draft")
-            if draft is None and D > self.draft_model.dcfg.block_size - 1:
+            if draft is None and self.draft_model is not None and D > self.draft_model.dcfg.block_size - 1:
                 raise ValueError(f"the learned drafter drafts {self.draft_model.dcfg.block_size - 1} depths "
                                  f"(block size {self.draft_model.dcfg.block_size}), {D} asked")
             if draft is not None:
@@ -374,6 +406,8 @@ class StepGraph:
             B, db = dm.dcfg.block_size, dm.buf
             dm.step_program(s)  # its rows staged by the previous step's gather_accepted (the first: by start)
             kd.topk_gpu(db.logits[:D], d_tok, d_logp, stream=s)
+        elif device_draft:  # the oracle's draft from its sequence at the device's L
+            self.oracle.program(b.L, d_tok, d_logp, s)
         kd.build_tree_gpu(ops.root, d_tok, d_logp, budget, b.L, out=t, stream=s)
         n = min(budget, D * K) + 1  # best-first search pops every reachable candidate up to the budget
         stage_tree(t, n, m, s)
@@ -381,7 +415,7 @@ class StepGraph:
         ew.argmax_rows(b.logits[:n], b.choice[:n], stream=s, scratch=b.argmax)
         kd.accept_gpu(t.first_child, t.next_sibling, t.tokens, b.choice[: ops.nmax].reshape(1, ops.nmax),
                       t.n_nodes, out=acc, stream=s)
-        kd.compact_gpu(m.c_kv, m.k_pe, b.L, acc.accepted[0], acc.n_accepted, stream=s)
+        kd.compact_gpu(m.c_kv, m.k_pe, b.L, acc.accepted[0], acc.n_accepted, stream=s, kv_hl=m.kv_hl)
         if dm is not None:  # the accepted nodes' features: the drafter's context rows of the next step, and
             # the next step's drafter rows staged (its block: the bonus token's)
             kd.gather_accepted(m.feat, acc.accepted, acc.n_accepted, b.L, acc.bonus, dm.feat_in[:B], dm.n_ctx,

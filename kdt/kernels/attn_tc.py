@@ -9,9 +9,11 @@ V[t] = c_kv[t], so M tokens' attention is one GEMM pair over M H rows (MQA with 
 Block (NM = 2 m-tiles of 16 query rows, NWK = 4 warps an m-tile, key tiles of BC = 16 keys; kdt.kernels.tc's mma
 and ldmatrix):
 
-- K tile: ``cp.async`` copies keys [t0, t0 + BC) as float32 into shared memory (the next tile's copies in flight
-  during this one); the block splits it once into bf16 hi and lo planes (x = hi + lo to ~2^-17, as tc's x),
-  [BC, FP / 2 + 4] words each (features F .. FP zero; 16 bytes of row pad: conflict-free ldmatrix).
+- K tile, bf16 hi and lo planes (x = hi + lo to ~2^-17, as tc's x), [BC, FP / 2 + 4] words each (features F .. FP
+  zero; 16 bytes of row pad: conflict-free ldmatrix). From the engine's pre-split cache (``kv_hl``, written beside
+  c_kv / k_pe by the latent write: kdt.kernels.mla.kv_hl_np's words) ``cp.async`` copies keys [t0, t0 + BC) straight
+  into one of two plane buffers while the other serves the tile before (``HL``); without it (the drafter's stacks),
+  it copies them as float32 into a raw tile that the block then splits once into the planes.
 - scores: warp (mt, c) holds its m-tile's Q over the feature steps c KSW .. (c + 1) KSW - 1 in registers (hi / lo
   A fragments, loaded once) and adds Q K^T over them for all BC keys: three mma a product (hi hi, hi lo, lo hi:
   ~2^-17 of a product, where float32 FMAs have 2^-24); the NWK partial [16, BC] tiles meet in shared memory.
@@ -40,10 +42,20 @@ from kdt.kernels.common import IS_SIM, Src, allow_dynamic_shared, cdiv, jit_sour
 from kdt.kernels.mla import MAX_SPLITS_V2, _num_sms, _shfl_xor, online_softmax
 
 NEG_INF = float32(-np.inf)
-# the fewest tokens version 2's attention runs here (0: never; env KDT_MLA_ATTN_TC_M): session 32's s32a (Moonlight,
-# attention + combine, us, FMA / here): M = 16 at L = 512 / 8192 29.3 / 183.8 against 66.6 / 154.1; M = 64 64.1 / 680.6
-# against 88.8 / 438.3; M = 128 121.6 / 1355.8 against 120.7 / 804.5; M = 256 253.5 / 2706.3 against 212.8 / 1580.7
-TC_MIN_M = int(os.environ.get("KDT_MLA_ATTN_TC_M", "128"))
+# the fewest tokens version 2's attention runs here at any prefix (0: never; env KDT_MLA_ATTN_TC_M), and from how many
+# it runs here at prefixes of TC_LONG_L keys or more, version 2's FMA kernel below (0: never, the default; env
+# KDT_MLA_ATTN_TC_LONG_M, KDT_MLA_ATTN_TC_LONG_L). Session 32's s32a (Moonlight, attention + combine, us, FMA / here):
+# M = 16 at L = 512 / 8192 29.3 / 183.8 against 66.6 / 154.1; session 33's s33a / s33c (the engine's pre-split cache):
+# M = 64 at L = 512 / 1024 / 8192 63.9 / 105.0 / 679.7 against 82.4 / 99.4 / 349.4; M = 96 114.2 / 196.2 / 1344.3
+# against 93.6 / 121.5 / 519.4; M = 128 at 512 / 8192 122.2 / 1354.0 against 106.7 / 642.6. A CUDA graph fixes its
+# kernels per token count, not per prefix: between the two counts it launches both, each returning at once outside
+# its prefixes (mla._mla_attention_v2; at 64 tokens 78.1 / 103.2 / 354.7 us). Off by default: with it on from 64
+# tokens (s33b), Moonlight's budget-64 oracle left AR's tokens at the 194th (AR's top-2 margin there 0.166, logits'
+# std 1.01: no rounding), though the kernel tests (Moonlight, 64 tokens) and 250 invariant trials (tiny, from 16
+# tokens and 40 keys) passed on the H200; not explained yet
+TC_MIN_M = int(os.environ.get("KDT_MLA_ATTN_TC_M", "96"))
+TC_LONG_M = int(os.environ.get("KDT_MLA_ATTN_TC_LONG_M", "0"))
+TC_LONG_L = int(os.environ.get("KDT_MLA_ATTN_TC_LONG_L", "1024"))
 MIN_KEYS_PER_SPLIT = 128  # a split's keys at least (the block loads its Q once a split)
 SPLIT_BLOCKS_PER_SM = 2  # the splits aim at this many blocks an SM (a tail of one wave in two)
 # the default geometry (session 32, s32a, Moonlight attention + combine at M = 64 / 256, L = 8192: 437.8 / 1610.4 us
@@ -59,22 +71,44 @@ def supports(H: int, Rkv: int, dr: int) -> bool:
 
 
 def uses_tc(M: int, H: int, Rkv: int, dr: int) -> bool:
-    """Whether version 2's attention of M tokens runs here (``TC_MIN_M``)."""
+    """Whether version 2's attention of M tokens runs here at any prefix (``TC_MIN_M``)."""
     return TC_MIN_M > 0 and M >= TC_MIN_M and supports(H, Rkv, dr)
 
 
-def params(Rkv: int, dr: int, NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, NWK: int = NWK_DEFAULT) -> dict:
+def shares_tc(M: int, H: int, Rkv: int, dr: int, BT: int = 1) -> bool:
+    """Whether version 2's attention of M tokens runs here at prefixes from ``TC_LONG_L`` keys, the FMA kernel below
+    (``TC_LONG_M`` <= M < ``TC_MIN_M``; the FMA kernel's key tile BT a divisor of BC_DEFAULT, so that both kernels
+    split the keys alike)."""
+    below = TC_MIN_M <= 0 or M < TC_MIN_M
+    return 0 < TC_LONG_M <= M and below and supports(H, Rkv, dr) and BC_DEFAULT % BT == 0
+
+
+def min_tokens(H: int, Rkv: int, dr: int) -> int:
+    """The fewest tokens of a forward that may run here (0: none)."""
+    if not supports(H, Rkv, dr):
+        return 0
+    return min((m for m in (TC_MIN_M, TC_LONG_M) if m > 0), default=0)
+
+
+def supports_hl(Rkv: int, dr: int) -> bool:
+    """Shapes whose pre-split cache rows copy in whole 16-byte chunks of each plane (F / 2 words a multiple of 4)."""
+    return (Rkv + dr) % 8 == 0
+
+
+def params(Rkv: int, dr: int, NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, NWK: int = NWK_DEFAULT,
+           HL: bool = False) -> dict:
     """Compile-time geometry: NM m-tiles a block, BC keys a tile, NWK warps an m-tile (the split of Q K^T's feature
-    steps and of P V's columns)."""
+    steps and of P V's columns); ``HL``: key tiles copied from the pre-split cache (two plane buffers), else from
+    the float32 caches and split in shared memory."""
     TPR = min(2 * NWK, BC // 2)  # softmax threads a row (2 keys each)
-    if BC % 16 or Rkv % (16 * NWK):
-        raise ValueError(f"bad attention tile BC={BC}, NWK={NWK} for Rkv={Rkv}")
+    if BC % 16 or Rkv % (16 * NWK) or (HL and not supports_hl(Rkv, dr)):
+        raise ValueError(f"bad attention tile BC={BC}, NWK={NWK}, HL={HL} for Rkv={Rkv}, dr={dr}")
     F = Rkv + dr
     KSW = cdiv(cdiv(F, 16), NWK)  # feature steps of 16 a warp
     FP = 16 * NWK * KSW
     return dict(Rkv=Rkv, dr=dr, F=F, NM=NM, BC=BC, NWK=NWK, TPR=TPR, BR=16 * NM, NT=32 * NWK * NM, KSW=KSW, FP=FP,
                 SKW=FP // 2 + 4, SPW=BC // 2 + 4, KPT=BC // TPR, CP=Rkv // (16 * NWK), CWW=Rkv // NWK,
-                F2=F // 2, ZW=(FP - F) // 2, RAW=BC * F, C4=Rkv // 4, CPR=F // 4)
+                F2=F // 2, ZW=(FP - F) // 2, RAW=0 if HL else BC * F, C4=Rkv // 4, CPR=F // 4, HL=HL, Q4=F // 8)
 
 
 def num_splits(L: int, M: int, H: int, NM: int = NM_DEFAULT) -> int:
@@ -85,12 +119,12 @@ def num_splits(L: int, M: int, H: int, NM: int = NM_DEFAULT) -> int:
     return int(max(1, min(want, cdiv(L + M, MIN_KEYS_PER_SPLIT), MAX_SPLITS_V2)))
 
 
-def layout(BC, NM, NWK, BR, SKW, SPW, RAW, **_) -> dict:
-    """Word offsets of the GPU kernel's one dynamic shared array: the raw float32 key tile [BC, F], its hi and lo
-    planes [BC, SKW], the warps' partial scores [NM, NWK, 16, BC + 1], p's hi and lo planes [BR, SPW], the rows'
-    rescales [BR]; WORDS in all."""
-    d = dict(RAW0=0, KHI=RAW, KLO=RAW + BC * SKW, SSW=BC + 1)
-    d["SS0"] = d["KLO"] + BC * SKW
+def layout(BC, NM, NWK, BR, SKW, SPW, RAW, HL=False, **_) -> dict:
+    """Word offsets of the GPU kernel's one dynamic shared array: the raw float32 key tile [BC, F] (without HL),
+    the key tile's hi and lo planes [BC, SKW] (with HL twice: BUFW words a buffer), the warps' partial scores [NM,
+    NWK, 16, BC + 1], p's hi and lo planes [BR, SPW], the rows' rescales [BR]; WORDS in all."""
+    d = dict(RAW0=0, KHI=RAW, KLO=RAW + BC * SKW, SSW=BC + 1, BUFW=2 * BC * SKW)
+    d["SS0"] = d["KLO"] + BC * SKW + (d["BUFW"] if HL else 0)
     d["PH0"] = d["SS0"] + NM * NWK * 16 * d["SSW"]
     d["PL0"] = d["PH0"] + BR * SPW
     d["AL0"] = d["PL0"] + BR * SPW
@@ -98,8 +132,8 @@ def layout(BC, NM, NWK, BR, SKW, SPW, RAW, **_) -> dict:
     return d
 
 
-def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CWW, F2, ZW, RAW, C4, CPR,
-            ops: set | None = None, **_) -> str:
+def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CWW, F2, ZW, RAW, C4, CPR, HL, Q4,
+            ops: set | None = None, LMIN: int = 0, **_) -> str:
     """Python source of the kernel (module docstring), loops over registers written out. Two spellings of its shared
     memory: under the simulator Numba arrays and kdt.kernels.tc's emulations; on the GPU one dynamic array addressed
     by 32-bit registers plus immediates (``tc.smem_at``; the (op, immediate) pairs used go to ``ops``), intrinsics
@@ -107,8 +141,9 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
     the mma themselves."""
     s = Src()
     NP = BC // 16  # key pairs of n-tiles
-    lay = layout(BC, NM, NWK, BR, SKW, SPW, RAW)
-    KHI, KLO, SS0, SSW, PH0, PL0, AL0 = (lay[k] for k in ("KHI", "KLO", "SS0", "SSW", "PH0", "PL0", "AL0"))
+    lay = layout(BC, NM, NWK, BR, SKW, SPW, RAW, HL)
+    KHI, KLO, SS0, SSW, PH0, PL0, AL0, BUFW = (lay[k] for k in ("KHI", "KLO", "SS0", "SSW", "PH0", "PL0", "AL0",
+                                                                 "BUFW"))
     ops = set() if ops is None else ops
 
     def at(op: str, imm: int, *args: str) -> str:  # GPU: one shared-memory instruction at args[0] + imm bytes
@@ -132,19 +167,37 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
                 with s.block("else:"):
                     s(f"cp_async16(raw, kk * {F} + 4 * ch, k_pe, tr * {dr} + 4 * (ch - {C4}), 16)")
         else:  # chunk e = tid + NT j: raw bytes 16 e (the tile's rows are contiguous there)
-            for j in range(cdiv(BC * CPR, NT)):
-                with s.block(f"if tid + {NT * j} < {BC * CPR}:" if (j + 1) * NT > BC * CPR else "if True:"):
-                    s(f"e = tid + {NT * j}")
-                    s(f"kk = e // {CPR}")
-                    s(f"ch = e - kk * {CPR}")
-                    s(f"tr = min({tn} + kk, t_hi - 1)")
-                    s(f"src = (cb + uint64(4 * (tr * {Rkv} + 4 * ch))) if ch < {C4} else "
-                      f"(pb + uint64(4 * (tr * {dr} + 4 * (ch - {C4}))))")
-                    s(at("cp16", 16 * NT * j, "rd", "src"))
+            for j in tile_chunks(tn):
+                s(f"src = (cb + uint64(4 * (tr * {Rkv} + 4 * ch))) if ch < {C4} else "
+                  f"(pb + uint64(4 * (tr * {dr} + 4 * (ch - {C4}))))")
+                s(at("cp16", 16 * NT * j, "rd", "src"))
         s("cp_async_commit()")
 
-    with s.block("def mla_attention_tc(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, part):"):
-        s('"""kdt.kernels.attn_tc: grid (cdiv(M H, BR), S), block (NT,); c_kv / k_pe C-contiguous."""')
+    def tile_chunks(tn: str):  # this thread's 16-byte chunks e = tid + NT j (yields j) of keys [tn, tn + BC): key kk
+        # (its row tr: rows past t_hi the last key's), its chunk ch
+        for j in range(cdiv(BC * CPR, NT)):
+            with s.block(f"if tid + {NT * j} < {BC * CPR}:" if (j + 1) * NT > BC * CPR else "if True:"):
+                s(f"e = tid + {NT * j}")
+                s(f"kk = e // {CPR}")
+                s(f"ch = e - kk * {CPR}")
+                s(f"tr = min({tn} + kk, t_hi - 1)")
+                yield j
+
+    def issue_hl(tn: str, buf: str) -> None:  # cp.async of pre-split keys [tn, tn + BC) into plane buffer buf
+        for _ in tile_chunks(tn):  # key kk's words 4 ch .. (hi planes for ch < Q4, then lo)
+            s(f"dw = kk * {SKW} + 4 * ch + ({BC * SKW - 4 * Q4} if ch >= {Q4} else 0)  # plane word")
+            if IS_SIM:
+                s(f"cp_async16(sKp, {buf} * {2 * BC * SKW} + dw, kv_hl, tr * {F} + 4 * ch, 16)")
+            else:
+                s(f"da = uint32({buf} + 4 * dw)")
+                s(f"src = hb + uint64(4 * (tr * {F} + 4 * ch))")
+                s(at("cp16", 4 * KHI, "da", "src"))
+        s("cp_async_commit()")
+
+    args = "kv_hl" if HL else "c_kv, k_pe"
+    with s.block(f"def mla_attention_tc(q_abs, q_pe, {args}, L_dev, vis, scale, o_lat, part):"):
+        s(f'"""kdt.kernels.attn_tc: grid (cdiv(M H, BR), S), block (NT,); {"kv_hl" if HL else "c_kv / k_pe"} '
+          'C-contiguous."""')
         s("grid_dependency_wait()  # first (kdt.kernels.common, PDL)")
         s("tid = cuda.threadIdx.x")
         s("warp = tid // 32")
@@ -159,6 +212,9 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
         s("sp = cuda.blockIdx.y")
         s("S = cuda.gridDim.y")
         s("L = L_dev[0]")
+        if LMIN:  # shorter prefixes are version 2's FMA kernel's (shares_tc)
+            with s.block(f"if L < {LMIN}:"):
+                s("return")
         s("T = L + M")
         s("kps = (T + S - 1) // S")
         s(f"kps = (kps + {BC - 1}) // {BC} * {BC}")
@@ -176,10 +232,13 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
         s("smt = sr // 16")
         s("srr = sr - smt * 16")
         s(f"col0 = c * {CWW}  # this warp's output columns")
-        if IS_SIM:
+        if IS_SIM and HL:
+            s(f"sKp = cuda.shared.array((2, 2, {BC}, {SKW}), uint32)  # [buffer, hi / lo, key, word]: key tiles")
+        elif IS_SIM:
             s(f"raw = cuda.shared.array(({BC}, {F}), float32)  # the key tile as copied, float32")
             s(f"sKh = cuda.shared.array(({BC}, {SKW}), uint32)  # .. as bf16 hi of feature pairs")
             s(f"sKl = cuda.shared.array(({BC}, {SKW}), uint32)  # .. and lo")
+        if IS_SIM:
             s(f"sS = cuda.shared.array(({NM}, {NWK}, 16, {SSW}), float32)  # the warps' partial scores")
             s(f"sPh = cuda.shared.array(({BR}, {SPW}), uint32)  # p hi / lo of key pairs")
             s(f"sPl = cuda.shared.array(({BR}, {SPW}), uint32)")
@@ -199,21 +258,28 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
             s(f"sPa = uint32(sb + 4 * ({PH0} + sr * {SPW} + sub * {KPT // 2}))  # row sr's p words")
             s(f"sAa = uint32(sb + 4 * ({AL0} + sr))")
             s(f"sAr = uint32(sb + 4 * ({AL0} + mt * 16 + g))")
-            s("rd = uint32(sb + 16 * tid)  # this thread's first raw chunk")
-            s("rs = uint32(sb + 8 * tid)  # .. and pair")
-            s("cb = gmem_base(c_kv)")
-            s("pb = gmem_base(k_pe)")
+            if HL:
+                s("hb = gmem_base(kv_hl)")
+            else:
+                s("rd = uint32(sb + 16 * tid)  # this thread's first raw chunk")
+                s("rs = uint32(sb + 8 * tid)  # .. and pair")
+                s("cb = gmem_base(c_kv)")
+                s("pb = gmem_base(k_pe)")
         if ZW:
             with s.block(f"for e in range(tid, {BC * ZW}, {NT}):  # features F .. FP: zeros, once"):
                 s(f"kz = e // {ZW}")
                 s(f"w = {F2} + e - kz * {ZW}")
-                if IS_SIM:
-                    s("sKh[kz, w] = uint32(0)")
-                    s("sKl[kz, w] = uint32(0)")
-                else:
-                    s(f"za = uint32(sb + 4 * (kz * {SKW} + w))")
-                    s(at("st_u32", 4 * KHI, "za", "uint32(0)"))
-                    s(at("st_u32", 4 * KLO, "za", "uint32(0)"))
+                for b in range(2 if HL else 1):
+                    if IS_SIM and HL:
+                        s(f"sKp[{b}, 0, kz, w] = uint32(0)")
+                        s(f"sKp[{b}, 1, kz, w] = uint32(0)")
+                    elif IS_SIM:
+                        s("sKh[kz, w] = uint32(0)")
+                        s("sKl[kz, w] = uint32(0)")
+                    else:
+                        s(f"za = uint32(sb + 4 * (kz * {SKW} + w))")
+                        s(at("st_u32", 4 * (KHI + b * BUFW), "za", "uint32(0)"))
+                        s(at("st_u32", 4 * (KLO + b * BUFW), "za", "uint32(0)"))
         s("# ---- Q's A fragments of this warp's feature steps, hi / lo, scaled (rows past M H: zeros)")
         s("ra = row0 + mt * 16 + g")
         s("rb = ra + 8")
@@ -238,11 +304,25 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
         for q in range(CP):
             for n in range(2):
                 s(" = ".join(f"o_{q}_{n}_{j}" for j in range(4)) + " = float32(0.0)")
-        issue("t_lo")
+        if HL:  # the plane buffer of this tile (simulator: its index; GPU: its byte offset) and of the next
+            s("bk = 0" if IS_SIM else "bk = uint32(0)")
+            issue_hl("t_lo", "bk" if IS_SIM else "sb")
+        else:
+            issue("t_lo")
         with s.block(f"for t0 in range(t_lo, t_hi, {BC}):"):
             s("cp_async_wait()")
             s("cuda.syncthreads()  # the tile's copies landed; everyone is done with the previous tile")
-            if IS_SIM:
+            if HL:
+                s("bn = 1 - bk" if IS_SIM else f"bn = uint32({4 * BUFW}) - bk")
+                with s.block(f"if t0 + {BC} < t_hi:  # the next tile's copies, in flight during this one"):
+                    issue_hl(f"t0 + {BC}", "bn" if IS_SIM else "(sb + bn)")
+                if IS_SIM:
+                    s("sKh = sKp[bk, 0]")
+                    s("sKl = sKp[bk, 1]")
+                else:
+                    s("laSb = laS + bk")
+                    s("laVb = laV + bk")
+            elif IS_SIM:
                 with s.block(f"for e in range(tid, {BC * F2}, {NT}):  # raw -> hi / lo planes"):
                     s(f"kk = e // {F2}")
                     s(f"w = e - kk * {F2}")
@@ -256,9 +336,10 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
                         s(f"pa = uint32(sb + 4 * (e + {SKW - F2} * (e // {F2})))  # word kk SKW + w")
                         s(at("st_u32", 4 * KHI, "pa", "hw"))
                         s(at("st_u32", 4 * KLO, "pa", "lw"))
-            s("cuda.syncthreads()")
-            with s.block(f"if t0 + {BC} < t_hi:  # the next tile's copies, in flight during this one"):
-                issue(f"t0 + {BC}")
+            if not HL:
+                s("cuda.syncthreads()")
+                with s.block(f"if t0 + {BC} < t_hi:  # the next tile's copies, in flight during this one"):
+                    issue(f"t0 + {BC}")
             s("# ---- this warp's part of S = Q K^T over its feature steps, all BC keys")
             for p in range(NP):
                 for n in range(2):
@@ -272,7 +353,7 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
                             s(f"b{hl}0, b{hl}1, b{hl}2, b{hl}3 = ldsm(sK{hl}, {16 * p}, (c * {KSW} + {i}) * 16, lane)")
                         else:
                             imm = 4 * (base + 16 * p * SKW) + 32 * i
-                            s(f"b{hl}0, b{hl}1, b{hl}2, b{hl}3 = " + at("ldsm", imm, "laS"))
+                            s(f"b{hl}0, b{hl}1, b{hl}2, b{hl}3 = " + at("ldsm", imm, "laSb" if HL else "laS"))
                     for n in range(2):
                         acc = ", ".join(f"s_{p}_{n}_{j}" for j in range(4))
                         for a, b0, b1 in ((qh, f"bh{n}", f"bh{n + 2}"), (qh, f"bl{n}", f"bl{n + 2}"),
@@ -332,13 +413,15 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
                             s(f"v{hl}0, v{hl}1, v{hl}2, v{hl}3 = ldsm_t(sK{hl}, {16 * kk}, col0 + {16 * q}, lane)")
                         else:
                             s(f"v{hl}0, v{hl}1, v{hl}2, v{hl}3 = "
-                              + at("ldsm_t", 4 * (base + 16 * kk * SKW) + 32 * q, "laV"))
+                              + at("ldsm_t", 4 * (base + 16 * kk * SKW) + 32 * q, "laVb" if HL else "laV"))
                     for n in range(2):
                         acc = ", ".join(f"o_{q}_{n}_{j}" for j in range(4))
                         for a, b0, b1 in (("ah0, ah1, ah2, ah3", f"vh{2 * n}", f"vh{2 * n + 1}"),
                                           ("ah0, ah1, ah2, ah3", f"vl{2 * n}", f"vl{2 * n + 1}"),
                                           ("aq0, aq1, aq2, aq3", f"vh{2 * n}", f"vh{2 * n + 1}")):
                             mma(a, b0, b1, acc)
+            if HL:
+                s("bk = bn")
         with s.block("if sub == 0 and sw:"):
             s("sMl[0, sr] = m_run")
             s("sMl[1, sr] = l_run")
@@ -368,14 +451,16 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
 
 
 @functools.cache
-def kernel(Rkv: int, dr: int, NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, NWK: int = NWK_DEFAULT, regs: int = 0):
+def kernel(Rkv: int, dr: int, NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, NWK: int = NWK_DEFAULT, regs: int = 0,
+           HL: bool = False, LMIN: int = 0):
     """The kernel for one geometry (cached); ``.geom`` holds its constants. ``regs``: ptxas's register cap (0: none;
-    the default geometry takes 255, one block an SM)."""
-    g = params(Rkv, dr, NM, BC, NWK)
+    the default geometry takes 255, one block an SM); ``HL``: it reads the pre-split cache (:func:`params`); LMIN >
+    0: it returns at once for prefixes L < LMIN (:func:`shares_tc`)."""
+    g = params(Rkv, dr, NM, BC, NWK, HL)
     ns = dict(cuda=cuda, float32=float32, uint32=uint32, uint64=uint64, int64=int64, math=math, NEG_INF=NEG_INF,
               FRAG=tc.frag_shape(g["NWK"] * NM), cp_async_commit=tc.cp_async_commit, cp_async_wait=tc.cp_async_wait(0))
     ops: set = set()
-    src = _source(**g, ops=ops)
+    src = _source(**g, ops=ops, LMIN=LMIN)
     if IS_SIM:
         ns.update(mma=tc.mma_bf16, ldsm=tc.ldsm_x4, ldsm_t=tc.ldsm_x4_t, split=tc.split_bf16x2, shfl=_shfl_xor,
                   cp_async16=tc.cp_async16)
@@ -390,14 +475,19 @@ def kernel(Rkv: int, dr: int, NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, NWK: i
 
 
 def attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, part, S: int, stream=0,
-              NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, regs: int = 0, NWK: int = NWK_DEFAULT) -> int:
+              NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, regs: int = 0, NWK: int = NWK_DEFAULT, kv_hl=None,
+              LMIN: int = 0) -> int:
     """Launch the kernel (S splits; S > 1: ``part`` holds the partials for kdt.kernels.mla's version 2 combine with
-    BT = BC, returned). The caches as float32 [max_len, Rkv] / [max_len, dr] C-contiguous device arrays."""
+    BT = BC, returned). The caches as float32 [max_len, Rkv] / [max_len, dr] C-contiguous device arrays; with
+    ``kv_hl`` (uint32 [max_len, Rkv + dr], their pre-split copy: kdt.kernels.mla.kv_hl_np) the kernel reads that
+    instead. LMIN > 0: nothing for prefixes L < LMIN (the FMA kernel's, launched beside it)."""
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
-    k = kernel(Rkv, dr, NM, BC, NWK, regs)
+    HL = kv_hl is not None
+    k = kernel(Rkv, dr, NM, BC, NWK, regs, HL, LMIN)
     g = k.geom
-    args = (q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, np.float32(scale), o_lat, part)
+    caches = (kv_hl,) if HL else (c_kv_cache, k_pe_cache)
+    args = (q_abs, q_pe, *caches, L_dev, vis, np.float32(scale), o_lat, part)
     allow_dynamic_shared(k, args, k.dyn_shared)
     k[(cdiv(M * H, g["BR"]), S), g["NT"], stream, k.dyn_shared](*args)
     return BC
@@ -405,9 +495,12 @@ def attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, par
 
 def _register() -> None:
     f32_1, f32_2, f32_3 = float32[::1], float32[:, ::1], float32[:, :, ::1]
-    sig = (f32_3, f32_3, f32_2, f32_2, int64[::1], uint8[:, ::1], float32, f32_3, f32_1)
-    for Rkv, dr, NM, NWK in ((512, 64, 2, 4), (512, 64, 1, 8), (64, 16, 2, 4)):
-        register_ptx(kernel(Rkv, dr, NM, BC_DEFAULT, NWK), sig, name=f"mla_attention_tc[Rkv={Rkv},NM={NM},NWK={NWK}]")
+    rest = (int64[::1], uint8[:, ::1], float32, f32_3, f32_1)
+    for Rkv, dr, NM, NWK, HL, LMIN in ((512, 64, 2, 4, True, 0), (512, 64, 2, 4, True, 1024),
+                                       (512, 64, 2, 4, False, 0), (512, 64, 1, 8, False, 0), (64, 16, 2, 4, True, 0)):
+        sig = (f32_3, f32_3) + ((uint32[:, ::1],) if HL else (f32_2, f32_2)) + rest
+        register_ptx(kernel(Rkv, dr, NM, BC_DEFAULT, NWK, HL=HL, LMIN=LMIN), sig,
+                     name=f"mla_attention_tc[Rkv={Rkv},NM={NM},NWK={NWK},HL={int(HL)},LMIN={LMIN}]")
 
 
 _register()

@@ -155,10 +155,11 @@ def cases(name: str, dtype: str):
         12 * Dd * K + (B + 1) ** 2, 0
     n_layers = cfg.num_hidden_layers
     ckv, kpe = rand((n_layers, 1024, Rkv)), rand((n_layers, 1024, dr))
+    khl = cuda.device_array((n_layers, 1024, Rkv + dr), np.uint32)  # the engine's pre-split cache (any words)
     acc = cuda.to_device(np.arange(0, 32, 2, dtype=np.int32))
     L_c, n_c = cuda.to_device(np.array([100], np.int64)), cuda.to_device(np.array([16], np.int32))
-    yield "kv_compact", f"layers={n_layers} n_acc=16", lambda i: kd.compact_gpu(ckv, kpe, L_c, acc, n_c), \
-        2 * 16 * n_layers * (Rkv + dr) * 4, 0
+    yield "kv_compact", f"layers={n_layers} n_acc=16 +kv_hl", \
+        lambda i: kd.compact_gpu(ckv, kpe, L_c, acc, n_c, kv_hl=khl), 2 * 16 * n_layers * (Rkv + dr) * 8, 0
 
 
 def main(argv=None) -> int:

@@ -11,8 +11,8 @@ tie-break: higher score first, then the smaller push id; the sibling is pushed b
   walking that node's ancestors, so rows are independent), and marks the unused slots.
 - ``tree_accept``: one block per request stages the tree's rows in shared memory, then thread 0 walks
   ``first_child`` / ``next_sibling`` along the target's choices.
-- ``kv_compact``: one thread per (layer, column) of both caches moves the accepted rows in increasing
-  order (race-free, see :func:`_move_column`).
+- ``kv_compact``: one thread per (layer, column) of the caches (c_kv, k_pe and the pre-split kv_hl) moves the
+  accepted rows in increasing order (race-free, see :func:`_move_column`).
 
 Output conventions: the node capacity ``NMAX`` is the outputs' second dimension (``budget + 1``
 suffices); slots ``>= n_nodes`` hold -1 (tokens, depth, parent, links, positions); visibility is
@@ -40,7 +40,7 @@ import os
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int16, int32, int64, uint8, uint16
+from numba import cuda, float32, int16, int32, int64, uint8, uint16, uint32
 
 from kdt.kernels.common import IS_SIM, WARP, cdiv, device_scalar, grid_dependency_wait, register_ptx, weight_loader
 
@@ -536,16 +536,18 @@ def _move_column(cache, layer, col, L, accepted, n_acc):
 def kv_compact(
     c_kv,  # [n_layers, max_len, Rkv] in/out
     k_pe,  # [n_layers, max_len, dr] in/out
+    kv_hl,  # [n_layers, max_len, F] uint32 in/out (the pre-split cache, F = Rkv + dr), or [1, 1, 0]: none
     L_dev,  # [1] int64, committed tokens before the step
     accepted,  # [>= n_acc] int32, increasing node indices starting with 0
     n_acc_dev,  # [1] int32, 1 + a
 ):
-    """Compact both caches of every layer: one thread per (layer, column of c_kv ++ k_pe). L and n_acc
+    """Compact the caches of every layer: one thread per (layer, column of c_kv ++ k_pe ++ kv_hl). L and n_acc
     are read on the device (a CUDA graph of the whole DDTree step replays this launch)."""
     grid_dependency_wait()
     t = cuda.grid(1)
     rkv = c_kv.shape[2]
-    w = rkv + k_pe.shape[2]
+    cw = rkv + k_pe.shape[2]
+    w = cw + kv_hl.shape[2]
     if t >= c_kv.shape[0] * w:
         return
     L = L_dev[0]
@@ -554,11 +556,19 @@ def kv_compact(
     col = t - layer * w
     if col < rkv:
         _move_column(c_kv, layer, col, L, accepted, n_acc)
-    else:
+    elif col < cw:
         _move_column(k_pe, layer, col - rkv, L, accepted, n_acc)
+    else:
+        _move_column(kv_hl, layer, col - cw, L, accepted, n_acc)
 
 
-register_ptx(kv_compact, (float32[:, :, ::1], float32[:, :, ::1], _I64_1, _I32_1, _I32_1))
+register_ptx(kv_compact, (float32[:, :, ::1], float32[:, :, ::1], uint32[:, :, ::1], _I64_1, _I32_1, _I32_1))
+
+
+@functools.lru_cache(maxsize=1)
+def _no_kv_hl():
+    """kv_compact's kv_hl when there is none: [1, 1, 0] uint32 (no columns)."""
+    return cuda.device_array((1, 1, 0), np.uint32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -862,6 +872,42 @@ def step_commit(accepted, n_accepted, bonus, choice, L, root, record, seq):
 register_ptx(step_commit, (_I32_2, _I32_1, _I64_1, _I64_1, _I64_1, _I64_1, _I64_2, _I64_1))
 
 
+ORACLE_PAD = 64  # the device oracle's sequence runs this far past the context's end (depths D <= ORACLE_PAD)
+_ORACLE_NT = 256
+
+
+@cuda.jit
+def oracle_draft(sequence, L, cols, logp, V, out_tok, out_logp):
+    """The noiseless oracle's draft inside the step program (:class:`kdt.drafters.OracleDrafter`, ``on_device``):
+    out_tok[0, d, j] = (sequence[L + 1 + d] + cols[d, j]) % V, out_logp[0, d, j] = logp[d, j].
+    sequence [max_len + ORACLE_PAD] int64 (prompt, true continuation, then random tokens); L [1] int64, the
+    cached prefix (the context is it and the root: L + 1 tokens); cols / logp [D, K] (int64 / float32): the
+    drafter's column offsets and log-probabilities; out [1, D, K]. A grid-stride loop over the D K entries."""
+    grid_dependency_wait()
+    D, K = cols.shape
+    n = L[0] + 1
+    for i in range(cuda.grid(1), D * K, cuda.gridsize(1)):
+        d = i // K
+        j = i - d * K
+        out_tok[0, d, j] = (sequence[n + d] + cols[d, j]) % V
+        out_logp[0, d, j] = logp[d, j]
+
+
+register_ptx(oracle_draft, (_I64_1, _I64_1, _I64_2, float32[:, ::1], int64, int64[:, :, ::1], float32[:, :, ::1]))
+
+
+def oracle_draft_gpu(sequence, L, cols, logp, out_tok, out_logp, vocab_size: int, stream=0) -> None:
+    """:func:`oracle_draft` (device arrays): cols / logp [D, K] -> out_tok / out_logp [1, D, K]."""
+    D, K = cols.shape
+    if tuple(logp.shape) != (D, K) or tuple(out_tok.shape) != (1, D, K) or tuple(out_logp.shape) != (1, D, K):
+        raise ValueError(f"oracle_draft: cols {tuple(cols.shape)}, logp {tuple(logp.shape)}, "
+                         f"out {tuple(out_tok.shape)} / {tuple(out_logp.shape)}: need [D, K] and [1, D, K]")
+    if D > ORACLE_PAD:
+        raise ValueError(f"oracle_draft: depth {D} > {ORACLE_PAD}")
+    oracle_draft[min(cdiv(D * K, _ORACLE_NT), 64), _ORACLE_NT, stream](sequence, L, cols, logp, np.int64(vocab_size),
+                                                                     out_tok, out_logp)
+
+
 def topk_gpu(logits, out_tok, out_logp, stream=0) -> None:
     """:func:`draft_topk`: logits [D, V] (V <= TOPK_MAX_V) -> out_tok / out_logp [1, D, K]."""
     D, V = logits.shape
@@ -990,23 +1036,27 @@ def accept_gpu(
     return _host(out) if host else out
 
 
-def compact_gpu(c_kv, k_pe, L, accepted, n_acc, threads: int = 256, stream=0) -> None:
-    """Compact ``c_kv [n_layers, max_len, Rkv]`` and ``k_pe [n_layers, max_len, dr]`` in place:
+def compact_gpu(c_kv, k_pe, L, accepted, n_acc, threads: int = 256, stream=0, kv_hl=None) -> None:
+    """Compact ``c_kv [n_layers, max_len, Rkv]``, ``k_pe [n_layers, max_len, dr]`` and, unless None, the pre-split
+    ``kv_hl [n_layers, max_len, Rkv + dr]`` (uint32, kdt.kernels.mla.kv_hl_np's words) in place:
     slot ``L + accepted[i]`` -> ``L + i`` for ``i < n_acc``. ``L`` (int64) and ``n_acc`` (int32) are
     ints or one-element device arrays (then the launch never depends on them: a CUDA graph can replay
     it). Device caches are updated on the device (no sync); numpy caches are copied in and back."""
     n_layers, max_len, rkv = c_kv.shape
     if k_pe.shape[:2] != (n_layers, max_len):
         raise ValueError(f"c_kv {c_kv.shape} and k_pe {k_pe.shape} differ in layers / slots")
+    if kv_hl is not None and tuple(kv_hl.shape) != (n_layers, max_len, rkv + k_pe.shape[2]):
+        raise ValueError(f"kv_hl {tuple(kv_hl.shape)}: need [{n_layers}, {max_len}, {rkv + k_pe.shape[2]}]")
     if isinstance(L, (int, np.integer)) and isinstance(n_acc, (int, np.integer)):
         if not 1 <= n_acc <= accepted.shape[0] or L + n_acc > max_len:
             raise ValueError(f"n_acc={n_acc} must be in [1, {accepted.shape[0]}] and L + n_acc <= {max_len}")
-    d_c, d_k = _dev(c_kv, c_kv.dtype), _dev(k_pe, k_pe.dtype)
-    total = n_layers * (rkv + k_pe.shape[2])
+    caches = (c_kv, k_pe) + (() if kv_hl is None else (kv_hl,))
+    dev = [_dev(c_kv, c_kv.dtype), _dev(k_pe, k_pe.dtype)] + ([] if kv_hl is None else [_dev(kv_hl, np.uint32)])
+    d_hl = dev[2] if kv_hl is not None else _no_kv_hl()
+    total = n_layers * (rkv + k_pe.shape[2] + d_hl.shape[2])
     kv_compact[cdiv(total, threads), threads, stream](
-        d_c, d_k, device_scalar(L, np.int64), _dev(accepted, np.int32), device_scalar(n_acc, np.int32)
+        dev[0], dev[1], d_hl, device_scalar(L, np.int64), _dev(accepted, np.int32), device_scalar(n_acc, np.int32)
     )
-    if not _is_device(c_kv):
-        d_c.copy_to_host(c_kv)
-    if not _is_device(k_pe):
-        d_k.copy_to_host(k_pe)
+    for a, d in zip(caches, dev, strict=True):
+        if not _is_device(a):
+            d.copy_to_host(a)

@@ -4,7 +4,8 @@ For M query tokens of one layer against that layer's latent cache ``c_kv_cache[m
 ``k_pe_cache[max_len, dr]`` (float32; 2-D views ``cache[layer]`` of stacked arrays are fine):
 
 1. :func:`kv_latent_write`  c[M, Rkv+dr] -> c_kv_cache[L+m] = rmsnorm(c[m, :Rkv]),
-                            k_pe_cache[L+m] = rope(c[m, Rkv:]).
+                            k_pe_cache[L+m] = rope(c[m, Rkv:]) (and, given the pre-split cache
+                            kv_hl[max_len, Rkv+dr] uint32, kv_hl[L+m] = their bf16 hi / lo words: :func:`kv_hl_np`).
 2. :func:`q_absorb`         q[M, H*(dn+dr)] -> q_abs[M, H, Rkv] = q_nope @ W_uk[h], q_pe[M, H, dr] = rope.
    (:func:`latent_write_and_absorb`: 1 and 2, in one launch with ``FUSE_KV``.)
 3. :func:`mla_attention`    (q_abs, q_pe) x cache slots [0, L+M) -> o_lat[M, H, Rkv]; fp32 online softmax,
@@ -38,8 +39,9 @@ import math
 import os
 
 import numpy as np
-from numba import boolean, cuda, float32, int32, int64, uint8, uint16, uint64
+from numba import boolean, cuda, float32, int32, int64, uint8, uint16, uint32, uint64
 
+from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.kernels import tc
 from kdt.kernels.common import (
     IS_SIM,
@@ -166,39 +168,96 @@ def _kv_write_token(norm_dtype: str, NT: int):
     return kv_write
 
 
+@cuda.jit(device=True, inline=True)
+def _kv_hl_write(c_kv_cache, k_pe_cache, kv_hl, slot, tid, NT):
+    """kv_hl[slot, :F] = the bf16 hi / lo words of x = [c_kv_cache[slot] | k_pe_cache[slot]] (F = Rkv + dr, both
+    even; :func:`kv_hl_np`'s layout: word w < F/2 the hi pair of x[2w], x[2w+1], word F/2 + w its lo pair) by the NT
+    threads of a block. It reads the row back from the caches, so the split sees their exact bits: the block writes
+    the row, then passes a barrier, then calls it."""
+    Rkv = c_kv_cache.shape[1]
+    half = (Rkv + k_pe_cache.shape[1]) // 2
+    for w in range(tid, half, NT):
+        f = 2 * w
+        if f < Rkv:
+            x0 = c_kv_cache[slot, f]
+            x1 = c_kv_cache[slot, f + 1]
+        else:
+            x0 = k_pe_cache[slot, f - Rkv]
+            x1 = k_pe_cache[slot, f - Rkv + 1]
+        hi, lo = tc.split_bf16x2(x0, x1)
+        kv_hl[slot, w] = hi
+        kv_hl[slot, half + w] = lo
+
+
+def _emit_kv_write(s: Src, m: str, hl: bool) -> None:
+    """The source lines by which a block writes token ``m``'s latent into cache slot L + m (``kv_write`` of
+    :func:`_kv_write_token`, names of kv_latent_write's arguments, ``tid`` and ``NT`` in scope); with ``hl`` then its
+    pre-split row kv_hl[L + m] (:func:`_kv_hl_write`)."""
+    s("redkv = cuda.shared.array(NT, float32)")
+    s("kv_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache, k_pe_cache, interleave,")
+    s(f"         {m}, tid, redkv)")
+    if hl:
+        s("cuda.syncthreads()  # the row just written, read back by the whole block")
+        s(f"kv_hl_write(c_kv_cache, k_pe_cache, kv_hl, L_dev[0] + {m}, tid, NT)")
+
+
 @functools.cache
-def _kv_latent_write_kernel(norm_dtype: str, NT: int = _KV_NT):
-    kv_write = _kv_write_token(norm_dtype, NT)
+def _kv_latent_write_kernel(norm_dtype: str, NT: int = _KV_NT, hl: bool = False):
+    """The latent write (grid (M,), block (NT,)); with ``hl`` it takes ``kv_hl`` last and also writes its rows."""
+    s = Src()
+    with s.block("def kv_latent_write_kernel(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache, "
+                 f"k_pe_cache, interleave{', kv_hl' if hl else ''}):"):
+        s('"""c[M, Rkv+dr] f32, kv_a_layernorm[Rkv] (f32|bf16), positions[M] i64, cos/sin_tab[P, dr/2],')
+        s("L_dev[1] i64 -> c_kv_cache[L+m, :Rkv] = rmsnorm(c[m, :Rkv]), k_pe_cache[L+m, :dr] = rope(c[m, Rkv:])")
+        if hl:
+            s("and kv_hl[L+m, :Rkv+dr] (uint32) = their bf16 hi / lo words (kv_hl_np).")
+        s('Grid (M,), block (NT,)."""')
+        s("grid_dependency_wait()")
+        s("tid = cuda.threadIdx.x")
+        _emit_kv_write(s, "cuda.blockIdx.x", hl)
+    ns = dict(cuda=cuda, float32=float32, NT=NT, kv_write=_kv_write_token(norm_dtype, NT), kv_hl_write=_kv_hl_write)
+    return jit_source(s.text(), "kv_latent_write_kernel", ns, __name__)
 
-    @cuda.jit
-    def kv_latent_write_kernel(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache,
-                               k_pe_cache, interleave):
-        """c[M, Rkv+dr] f32, kv_a_layernorm[Rkv] (f32|bf16), positions[M] i64, cos/sin_tab[P, dr/2],
-        L_dev[1] i64 -> c_kv_cache[L+m, :Rkv] = rmsnorm(c[m, :Rkv]), k_pe_cache[L+m, :dr] = rope(c[m, Rkv:]).
-        Grid (M,), block (NT,)."""
-        grid_dependency_wait()
-        red = cuda.shared.array(NT, float32)
-        kv_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache, k_pe_cache, interleave,
-                 cuda.blockIdx.x, cuda.threadIdx.x, red)
 
-    return kv_latent_write_kernel
+def kv_hl_np(c_kv: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
+    """The pre-split cache on the host: for keys [..., Rkv] / [..., dr] (float32) the uint32 words [..., F]
+    (F = Rkv + dr) of x = [c_kv | k_pe] as bf16 pairs: words [0, F/2) the hi planes (bf16 of x, feature 2w in the
+    low half of word w), [F/2, F) the lo planes (bf16 of x - hi), kdt.kernels.tc.split_bf16x2's words. The tensor-
+    core attention copies a key tile of it into shared memory as is (kdt.kernels.attn_tc)."""
+    x = np.ascontiguousarray(np.concatenate([c_kv, k_pe], axis=-1), dtype=np.float32)
+    hi = f32_to_bf16_bits(x)
+    lo = f32_to_bf16_bits(x - bf16_bits_to_f32(hi))
+    return np.ascontiguousarray(np.concatenate([hi, lo], axis=-1)).view(np.uint32)
+
+
+def _check_kv_hl(kv_hl, c_kv_cache, k_pe_cache) -> tuple:
+    """() without the pre-split cache, else (kv_hl,) after checking it is uint32 [max_len, Rkv + dr], Rkv, dr even."""
+    if kv_hl is None:
+        return ()
+    (n, Rkv), dr = c_kv_cache.shape, k_pe_cache.shape[1]
+    if tuple(kv_hl.shape) != (n, Rkv + dr) or np.dtype(kv_hl.dtype) != np.uint32 or Rkv % 2 or dr % 2:
+        raise ValueError(f"kv_hl must be uint32 [{n}, {Rkv + dr}] (Rkv, dr even), got {np.dtype(kv_hl.dtype)} "
+                         f"{tuple(kv_hl.shape)} for Rkv {Rkv}, dr {dr}")
+    return (kv_hl,)
 
 
 def kv_latent_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L, c_kv_cache, k_pe_cache,
-                    interleave: bool = True, stream=0) -> None:
+                    interleave: bool = True, stream=0, kv_hl=None) -> None:
     """Write the M new latents into cache slots [L, L+M).
 
     c[M, Rkv+dr] f32 (kv_a_proj_with_mqa output); kv_a_layernorm[Rkv] f32 or bf16 (uint16);
     positions[M] int64; cos_tab, sin_tab[max_pos, dr/2] f32; c_kv_cache[max_len, Rkv] f32,
     k_pe_cache[max_len, dr] f32 (written at rows L..L+M-1 only). ``L``: an int, or an int64 device
-    array of one element (read by the kernel: what a CUDA graph needs).
+    array of one element (read by the kernel: what a CUDA graph needs). ``kv_hl``: None, or the pre-split cache
+    uint32 [max_len, Rkv + dr] whose rows L..L+M-1 get :func:`kv_hl_np` of the rows written (Rkv, dr even).
     """
     M = c.shape[0]
+    hl = _check_kv_hl(kv_hl, c_kv_cache, k_pe_cache)
     if M == 0:
         return
-    k = _kv_latent_write_kernel(np.dtype(kv_a_layernorm.dtype).name)
+    k = _kv_latent_write_kernel(np.dtype(kv_a_layernorm.dtype).name, _KV_NT, bool(hl))
     k[M, _KV_NT, stream](c, kv_a_layernorm, np.float32(eps), positions, cos_tab, sin_tab, device_scalar(L),
-                         c_kv_cache, k_pe_cache, np.int32(1 if interleave else 0))
+                         c_kv_cache, k_pe_cache, np.int32(1 if interleave else 0), *hl)
 
 
 # ---- 2. q absorb -----------------------------------------------------------------------------------
@@ -567,7 +626,7 @@ def mla_num_splits(L: int, M: int, H: int, Rkv: int = 512, dr: int = 64, version
     if _version(version) == 2:
         from kdt.kernels import attn_tc  # (it builds on this module)
 
-        if attn_tc.uses_tc(M, H, Rkv, dr):
+        if attn_tc.uses_tc(M, H, Rkv, dr) or attn_tc.shares_tc(M, H, Rkv, dr):
             return attn_tc.num_splits(L, M, H)
         _, A2, NW2, _, _ = _attn2_params(H, Rkv, dr)
         # whole waves: as many splits as fit beside each other (M=64 on 264 slots: 4 splits, 256
@@ -587,7 +646,7 @@ def mla_scratch_size(M: int, H: int, Rkv: int, n_splits: int) -> int:
 
 
 def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch=None,
-                  n_splits: int | None = None, stream=0, version: int | None = None) -> None:
+                  n_splits: int | None = None, stream=0, version: int | None = None, kv_hl=None) -> None:
     """o_lat[m,h] = sum_t softmax_t(s[m,h,t]) c_kv[t] over cache slots t in [0, L+M).
 
     s[m,h,t] = (q_abs[m,h] . c_kv[t] + q_pe[m,h] . k_pe[t]) * scale; slots t < L are visible, slot
@@ -606,13 +665,17 @@ def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scr
 
     ``version``: 1 or 2 (default :data:`VERSION`, env ``KDT_MLA_VERSION``); ``n_splits`` should come
     from :func:`mla_num_splits` of the same version (v1 takes at most MAX_SPLITS, v2 MAX_SPLITS_V2).
+
+    ``kv_hl``: None, or the pre-split cache uint32 [max_len, Rkv + dr] (:func:`kv_hl_np` of the two caches, rows
+    [0, L+M) written): version 2 on tensor cores reads it (kdt.kernels.attn_tc), the FMA kernels ignore it.
     """
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     if M == 0:
         return
     if _version(version) == 2:
-        _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream)
+        _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream,
+                          kv_hl=kv_hl)
         return
     G, A, NW, BT = _attn_params(H, Rkv, dr)
     if isinstance(L, (int, np.integer)):
@@ -876,13 +939,14 @@ def _attn2_geometry(Rkv, dr, G, A, NW, VPL, CG) -> dict:
                 LOGG=int(round(math.log2(G))), XB=NT if IS_SIM else 1)
 
 
-def _split_keys(s, KM: int) -> None:
+def _split_keys(s, KM: int, KR: int = 0) -> None:
     """Emit ``kps``, the keys of a split, as the v2 attention and its combine both derive it from T = L + M and
-    the S splits of the launch: cdiv(T, S), at least KM (0: no floor), rounded up to whole tiles of BT."""
+    the S splits of the launch: cdiv(T, S), at least KM (0: no floor), rounded up to whole tiles of BT (KR > 0:
+    to a multiple of KR instead, the tensor-core kernel's tile when both kernels share the launch's partials)."""
     s("kps = (T + S - 1) // S")
     if KM:
         s(f"kps = max(kps, {KM})")
-    s("kps = (kps + BT - 1) // BT * BT")
+    s(f"kps = (kps + {KR - 1}) // {KR} * {KR}" if KR else "kps = (kps + BT - 1) // BT * BT")
 
 
 def online_softmax(s, scores: list[str], span: int, shfl) -> None:
@@ -910,7 +974,7 @@ def online_softmax(s, scores: list[str], span: int, shfl) -> None:
 
 
 def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW, CPT, GS, V, PEP, NLC,
-                  NLP, LOGG, PF, KM=0, **_) -> str:
+                  NLP, LOGG, PF, KM=0, LMAX=0, KR=0, **_) -> str:
     """Python source of the v2 attention kernel (see the section comment), loops written out.
 
     PF (how the next key tile's global loads overlap this tile's compute): 0 = none (loads at the top
@@ -987,8 +1051,11 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
         s("sp = cuda.blockIdx.z")
         s("S = cuda.gridDim.z")
         s("L = L_dev[0]")
+        if LMAX:  # prefixes from LMAX are the tensor-core kernel's (attn_tc.shares_tc)
+            with s.block(f"if L >= {LMAX}:"):
+                s("return")
         s("T = L + M")
-        _split_keys(s, KM)
+        _split_keys(s, KM, KR)
         s("t_lo = sp * kps")
         with s.block("if t_lo >= T:"):
             s("return")
@@ -1128,16 +1195,18 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
 
 
 @functools.cache
-def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG: int, PF: int = 2, KM: int = 0):
-    """The v2 attention kernel (cached per geometry; KM: the split keys' floor, ``split_keys``); ``.geom`` holds its
-    constants."""
+def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG: int, PF: int = 2, KM: int = 0,
+                       LMAX: int = 0, KR: int = 0):
+    """The v2 attention kernel (cached per geometry; KM: the split keys' floor, ``split_keys``; LMAX > 0: it returns
+    at once for prefixes L >= LMAX, KR > 0: splits rounded to KR keys, both for sharing a launch's partials with the
+    tensor-core kernel); ``.geom`` holds its constants."""
     g = _attn2_geometry(Rkv, dr, G, A, NW, VPL, CG)
     sk = (2, g["BT"], g["FP"]) if PF == 2 else (g["BT"], g["FP"])
     ns = dict(g, cuda=cuda, float32=float32, uint64=uint64, math=math, NEG_INF=NEG_INF, shfl=_shfl_xor, DR=dr,
               RS=Rkv + 2, UDR=np.uint64(dr), URKV=np.uint64(Rkv), SK_SHAPE=sk, SP_SHAPE=(g["BT"], g["R"] + 1),
               SML_SHAPE=(2, g["R"]))
     ns.update({f"U{i}": np.uint64(i) for i in range(max(g["FP"], g["R"]) + 1)})
-    k = jit_source(_attn2_source(PF=PF, KM=KM, **g), "mla_attention2", ns, __name__)
+    k = jit_source(_attn2_source(PF=PF, KM=KM, LMAX=LMAX, KR=KR, **g), "mla_attention2", ns, __name__)
     k.geom = g
     return k
 
@@ -1252,18 +1321,31 @@ def _mla_combine_v2(part, S: int, L_dev, o_lat, BT: int, stream=0, km: int = 0) 
 
 
 def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream,
-                      params=None, split_keys: int | None = None, on_tc: bool | None = None) -> None:
+                      params=None, split_keys: int | None = None, on_tc: bool | None = None, kv_hl=None) -> None:
     """Version 2's attention: on tensor cores (kdt.kernels.attn_tc) where ``on_tc`` (default attn_tc.uses_tc, when
-    no other geometry or split-keys floor is asked for), else the FMA kernel of this section."""
+    no other geometry or split-keys floor is asked for), else the FMA kernel of this section. Token counts that the
+    two kernels share by prefix (attn_tc.shares_tc) take the tensor cores from attn_tc.TC_LONG_L keys on: an L on
+    the host picks one, an L on the device (a CUDA graph) launches both, each returning at once outside its
+    prefixes, into the same partials. ``kv_hl`` (None or the pre-split cache uint32 [max_len, Rkv + dr]) goes to
+    the tensor-core kernel; the FMA kernel ignores it."""
     from kdt.kernels import attn_tc  # (it builds on this module)
 
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     km = SPLIT_KEYS if split_keys is None else int(split_keys)
+    prm = params or _attn2_params(H, Rkv, dr)
+    both = False  # both kernels, split by the device's L
     if on_tc is None:
         on_tc = params is None and km == 0 and attn_tc.uses_tc(M, H, Rkv, dr)
+        BT = _attn2_geometry(Rkv, dr, *prm[:5])["BT"]
+        if not on_tc and params is None and km == 0 and attn_tc.shares_tc(M, H, Rkv, dr, BT):
+            if isinstance(L, (int, np.integer)):
+                on_tc = int(L) >= attn_tc.TC_LONG_L
+            else:
+                both = True
     if not on_tc:
-        k = _attention2_kernel(Rkv, dr, *(params or _attn2_params(H, Rkv, dr)), KM=km)
+        k = _attention2_kernel(Rkv, dr, *prm, KM=km, **(dict(LMAX=attn_tc.TC_LONG_L, KR=attn_tc.BC_DEFAULT)
+                                                        if both else {}))
     if isinstance(L, (int, np.integer)):
         T = int(L) + M
         S = mla_num_splits(int(L), M, H, Rkv, dr, version=2) if n_splits is None else int(n_splits)
@@ -1283,12 +1365,13 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
         part = scratch
     else:
         part = _dummy_part()
-    if on_tc:
-        BT = attn_tc.attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, part, S, stream=stream)
-    else:
-        BT = k.geom["BT"]
+    if on_tc or both:
+        BT = attn_tc.attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, part, S, stream=stream,
+                               kv_hl=kv_hl, LMIN=attn_tc.TC_LONG_L if both else 0)
+    if not on_tc:
         k[(cdiv(H, k.geom["R"]), M, S), k.geom["NT"], stream](q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis,
                                                               np.float32(scale), o_lat, part)
+        BT = attn_tc.BC_DEFAULT if both else k.geom["BT"]
     if S > 1:
         _mla_combine_v2(part, S, L_dev, o_lat, BT, stream=stream, km=0 if on_tc else km)
 
@@ -1305,9 +1388,9 @@ def _q_absorb2_params(M: int, dn: int) -> tuple[int, int, int]:
     return TM, 32, NWD
 
 
-def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False) -> str:
+def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False, HL: bool = False) -> str:
     s = Src()
-    kv_args = ", c, kv_a_layernorm, eps, L_dev, c_kv_cache, k_pe_cache" if KV else ""
+    kv_args = (", c, kv_a_layernorm, eps, L_dev, c_kv_cache, k_pe_cache" + (", kv_hl" if HL else "")) if KV else ""
     with s.block(f"def q_absorb2_kernel(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe{kv_args}):"):
         s('"""q[M, H*(dn+dr)] f32, kv_b[H*(dn+dv), Rkv] f32|bf16 -> q_abs[M, H, Rkv] = q_nope @ W_uk[h],')
         s("q_pe[M, H, dr] = rope(q[.., dn:]). Grid (cdiv(Rkv, G), H, cdiv(M, TM)), block (NWD*G,): warp w")
@@ -1315,7 +1398,7 @@ def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False) -> str:
         s("any is used); the NWD warp partials are summed in shared memory.")
         if KV:
             s("With the latent write (kv_latent_write's arguments after q_pe): grid z has cdiv(M, gx * gy)")
-            s("more slices, whose blocks each write one token's latent into the cache.")
+            s("more slices, whose blocks each write one token's latent into the cache" + (" and kv_hl." if HL else "."))
         s('"""')
         s("grid_dependency_wait()  # first (kdt.kernels.common, PDL)")
         s("tid = cuda.threadIdx.x")
@@ -1325,9 +1408,7 @@ def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False) -> str:
             with s.block("if cuda.blockIdx.z >= nqz:  # a latent-write block (one token)"):
                 s("m = ((cuda.blockIdx.z - nqz) * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x")
                 with s.block("if m < M:"):
-                    s("redkv = cuda.shared.array(NT, float32)")
-                    s("kv_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L_dev, c_kv_cache, k_pe_cache,")
-                    s("         interleave, m, tid, redkv)")
+                    _emit_kv_write(s, "m", HL)
                 s("return")
         s("cb = cuda.blockIdx.x")
         s("h = cuda.blockIdx.y")
@@ -1377,9 +1458,10 @@ def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False) -> str:
 
 
 @functools.cache
-def _q_absorb2_kernel(wdtype: str, dn: int, TM: int, G: int, NWD: int, kv_norm_dtype: str | None = None):
+def _q_absorb2_kernel(wdtype: str, dn: int, TM: int, G: int, NWD: int, kv_norm_dtype: str | None = None,
+                      hl: bool = False):
     """The v2 q_absorb kernel; with ``kv_norm_dtype`` (the kv_a_layernorm weight's dtype) it also writes
-    the latents (see :func:`latent_write_and_absorb`)."""
+    the latents (see :func:`latent_write_and_absorb`), with ``hl`` too their pre-split rows (``kv_hl`` last)."""
     if dn % NWD:
         raise ValueError(f"q_absorb v2: dn={dn} not a multiple of {NWD} warps")
     DPW = dn // NWD
@@ -1389,14 +1471,15 @@ def _q_absorb2_kernel(wdtype: str, dn: int, TM: int, G: int, NWD: int, kv_norm_d
     ns.update({f"U{i}": np.uint64(i) for i in range(DPW)})
     kv = kv_norm_dtype is not None
     if kv:
-        ns["kv_write"] = _kv_write_token(kv_norm_dtype, NT)
-    k = jit_source(_q_absorb2_source(TM, DPW, NWD, kv), "q_absorb2_kernel", ns, __name__)
+        ns.update(kv_write=_kv_write_token(kv_norm_dtype, NT), kv_hl_write=_kv_hl_write)
+    k = jit_source(_q_absorb2_source(TM, DPW, NWD, kv, kv and hl), "q_absorb2_kernel", ns, __name__)
     k.threads = NT
     return k
 
 
 def _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=0, kv=None) -> None:
-    """``kv`` = (c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache): kv_latent_write in the same launch."""
+    """``kv`` = (c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, kv_hl): kv_latent_write in the same launch
+    (kv_hl None: without the pre-split cache)."""
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     dn = q.shape[1] // H - dr
@@ -1407,10 +1490,12 @@ def _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, 
         k = _q_absorb2_kernel(np.dtype(kv_b.dtype).name, dn, TM, G, NWD)
         k[(gx, H, nqz), k.threads, stream](q, kv_b, positions, cos_tab, sin_tab, il, q_abs, q_pe)
         return
-    c, gw, eps, L, c_kv_cache, k_pe_cache = kv
-    k = _q_absorb2_kernel(np.dtype(kv_b.dtype).name, dn, TM, G, NWD, np.dtype(gw.dtype).name)
+    c, gw, eps, L, c_kv_cache, k_pe_cache, kv_hl = kv
+    hl = _check_kv_hl(kv_hl, c_kv_cache, k_pe_cache)
+    k = _q_absorb2_kernel(np.dtype(kv_b.dtype).name, dn, TM, G, NWD, np.dtype(gw.dtype).name, bool(hl))
     k[(gx, H, nqz + cdiv(M, gx * H)), k.threads, stream](q, kv_b, positions, cos_tab, sin_tab, il, q_abs, q_pe, c, gw,
-                                                          np.float32(eps), device_scalar(L), c_kv_cache, k_pe_cache)
+                                                          np.float32(eps), device_scalar(L), c_kv_cache, k_pe_cache,
+                                                          *hl)
 
 
 # One launch for kv_latent_write and q_absorb (v2) per layer instead of two (``latent_write_and_absorb``; env
@@ -1422,15 +1507,16 @@ FUSE_KV = os.environ.get("KDT_MLA_FUSE_KV", "1") == "1"
 
 
 def latent_write_and_absorb(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, q, kv_b, positions, cos_tab, sin_tab,
-                            interleave: bool, q_abs, q_pe, stream=0, fuse: bool | None = None) -> None:
-    """:func:`kv_latent_write` then :func:`q_absorb` (their arguments), in one launch with ``fuse`` (default
-    ``FUSE_KV``) and the v2 kernels, else in two."""
+                            interleave: bool, q_abs, q_pe, stream=0, fuse: bool | None = None, kv_hl=None) -> None:
+    """:func:`kv_latent_write` then :func:`q_absorb` (their arguments; ``kv_hl``: None or the pre-split cache
+    uint32 [max_len, Rkv + dr], also written at rows [L, L+M)), in one launch with ``fuse`` (default ``FUSE_KV``)
+    and the v2 kernels, else in two."""
     if (FUSE_KV if fuse is None else fuse) and _version(None) == 2 and q_abs.shape[0] > 0:
         _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream,
-                     kv=(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache))
+                     kv=(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, kv_hl))
         return
     kv_latent_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L, c_kv_cache, k_pe_cache, interleave,
-                    stream=stream)
+                    stream=stream, kv_hl=kv_hl)
     q_absorb(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream)
 
 
@@ -1482,11 +1568,13 @@ def _register() -> None:
     i64_1, u8_2 = int64[::1], uint8[:, ::1]
     dn, dr, Rkv = 128, 64, 512
     f32_2a = float32[:, :]  # a column slice of the engine's stacked [q_a | c] buffer
+    hls = ((False, (), ""), (True, (uint32[:, ::1],), ",hl"))  # without / with kv_hl (a layer's view of the stack)
     for wdt, w1 in (("float32", f32_1), ("uint16", u16_1)):
         for c_t, lay in ((f32_2, "C"), (f32_2a, "A")):
-            register_ptx(_kv_latent_write_kernel(wdt, _KV_NT),
-                         (c_t, w1, float32, i64_1, f32_2, f32_2, i64_1, f32_2, f32_2, int32),
-                         name=f"kv_latent_write_kernel[{wdt},{lay}]")
+            for hl, hl_t, tag in hls:
+                register_ptx(_kv_latent_write_kernel(wdt, _KV_NT, hl),
+                             (c_t, w1, float32, i64_1, f32_2, f32_2, i64_1, f32_2, f32_2, int32, *hl_t),
+                             name=f"kv_latent_write_kernel[{wdt},{lay}{tag}]")
     for wdt, w2 in (("float32", f32_2), ("uint16", u16_2)):
         for TM in (1, 8):
             register_ptx(_q_absorb_kernel(wdt, dn, TM, 128),
@@ -1511,9 +1599,10 @@ def _register() -> None:
                      name=f"q_absorb2_kernel[{wdt},TM=1,A]")
         for TM, q_t in ((1, f32_2a), (8, f32_2)):  # with the latent write (FUSE_KV; the engine's norms are
             # float32), c a column slice of the stacked [q_a | c] buffer
-            register_ptx(_q_absorb2_kernel(wdt, dn, TM, 32, 8, "float32"),
-                         (q_t, w2, i64_1, f32_2, f32_2, int32, f32_3, f32_3, f32_2a, f32_1, float32, i64_1, f32_2,
-                          f32_2), name=f"q_absorb2_kernel[{wdt},TM={TM},kv]")
+            for hl, hl_t, tag in hls:
+                register_ptx(_q_absorb2_kernel(wdt, dn, TM, 32, 8, "float32", hl),
+                             (q_t, w2, i64_1, f32_2, f32_2, int32, f32_3, f32_3, f32_2a, f32_1, float32, i64_1, f32_2,
+                              f32_2, *hl_t), name=f"q_absorb2_kernel[{wdt},TM={TM},kv{tag}]")
         register_ptx(_uv_project_kernel(wdt, Rkv, 32, 8, 1, 1), (f32_3, w2, f32_2),
                      name=f"uv_project_kernel[{wdt},RPW=1]")
     for M in (16, 64, 256):  # on tensor cores (uv_uses_tc)
@@ -1524,6 +1613,10 @@ def _register() -> None:
             register_ptx(_attention2_kernel(rkv, d_r, 32, 4, NW, 1, _attn2_cg(rkv, 32, NW), PF),
                          (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1),
                          name=f"mla_attention2[Rkv={rkv},NW={NW},PF={int(PF)}]")
+    # below attn_tc's shared prefixes, as the engine's graphs launch it beside the tensor-core kernel (shares_tc)
+    register_ptx(_attention2_kernel(Rkv, dr, 32, 4, 4, 1, _attn2_cg(Rkv, 32, 4), 2, LMAX=1024, KR=16),
+                 (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1),
+                 name=f"mla_attention2[Rkv={Rkv},NW=4,PF=2,LMAX=1024]")
     for NWC, CPC in ((16, 1), (4, 4), (4, 16)):
         register_ptx(_combine2_kernel(8, 32, NWC, CPC), (f32_1, int64, i64_1, f32_3),
                      name=f"mla_combine2[NWC={NWC},CPC={CPC}]")
