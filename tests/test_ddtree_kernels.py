@@ -374,7 +374,7 @@ def test_draft_topk_gpu(rng, D, V, K):
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("D, K, V", [(1, 1, 50), (7, 8, 50), (3, 40, 1000)])  # 3 x 40: past one block's threads
+@pytest.mark.parametrize("D, K, V", [(1, 1, 50), (7, 8, 50), (3, 40, 1000)])
 def test_oracle_draft_equals_the_host_oracle(rng, D, K, V):
     """oracle_draft (the device oracle's draft) == OracleDrafter.draft at the same context length, the sequence
     random (tokens near V, so the modulo wraps), L at random within the known sequence; outputs poisoned."""
