@@ -41,7 +41,6 @@ import os
 import numpy as np
 from numba import boolean, cuda, float32, int32, int64, uint8, uint16, uint32, uint64
 
-from kdt.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.kernels import tc
 from kdt.kernels.common import (
     IS_SIM,
@@ -224,9 +223,7 @@ def kv_hl_np(c_kv: np.ndarray, k_pe: np.ndarray) -> np.ndarray:
     (F = Rkv + dr) of x = [c_kv | k_pe] as bf16 pairs: words [0, F/2) the hi planes (bf16 of x, feature 2w in the
     low half of word w), [F/2, F) the lo planes (bf16 of x - hi), kdt.kernels.tc.split_bf16x2's words. The tensor-
     core attention copies a key tile of it into shared memory as is (kdt.kernels.attn_tc)."""
-    x = np.ascontiguousarray(np.concatenate([c_kv, k_pe], axis=-1), dtype=np.float32)
-    hi = f32_to_bf16_bits(x)
-    lo = f32_to_bf16_bits(x - bf16_bits_to_f32(hi))
+    hi, lo = tc.split_np(np.concatenate([c_kv, k_pe], axis=-1))
     return np.ascontiguousarray(np.concatenate([hi, lo], axis=-1)).view(np.uint32)
 
 

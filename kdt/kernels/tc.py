@@ -617,12 +617,18 @@ def put_hilo(Xs, r, k, v):
     Xs[r, c + 4] = f32_to_bf16(v - bf16_to_f32(h))
 
 
-def hilo_np(X: np.ndarray) -> np.ndarray:
-    """The hi / lo layout (``XL_HILO``) of float32 X [rows, K] (K % 4 == 0) on the host: uint64 [rows, K / 2]."""
+def split_np(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo) bf16 bits (uint16, X's shape) of float32 X on the host: hi = bf16(X), lo = bf16(X - hi), as
+    :func:`split_bf16x2` splits on the device."""
     X = np.ascontiguousarray(X, dtype=np.float32)
     hi = f32_to_bf16_bits(X)
-    lo = f32_to_bf16_bits(X - bf16_bits_to_f32(hi))
-    rows, K = X.shape
+    return hi, f32_to_bf16_bits(X - bf16_bits_to_f32(hi))
+
+
+def hilo_np(X: np.ndarray) -> np.ndarray:
+    """The hi / lo layout (``XL_HILO``) of float32 X [rows, K] (K % 4 == 0) on the host: uint64 [rows, K / 2]."""
+    hi, lo = split_np(X)
+    rows, K = hi.shape
     out = np.stack([hi.reshape(rows, K // 4, 4), lo.reshape(rows, K // 4, 4)], axis=2)  # [rows, Kw, 2, 4]
     return out.reshape(rows, 2 * K).view(np.uint64)
 
