@@ -183,6 +183,15 @@ def _experts_selected(target, tokens, positions, L, mask) -> list[int] | None:
     return rec
 
 
+def leaves_ar_at(tokens, ar_tokens) -> int | None:
+    """The first token where a greedy DDTree decode differs from AR's (None: none within both). The invariant holds
+    in exact arithmetic; in float32 a verify rounds otherwise than AR's one-token forward, and where AR's choice is a
+    near-tie (its top-2 logits, or its routing's k-th and (k+1)-th expert: scripts/probe_divergence.py) the two
+    decodes part, every later oracle draft then rejected."""
+    n = min(len(tokens), len(ar_tokens))
+    return next((i for i in range(n) if tokens[i] != ar_tokens[i]), None)
+
+
 def _median_run(run: Callable[[], object], n: int) -> tuple[object, float | None, dict[str, float]]:
     """``run()`` (a decode, deterministic: the same tokens every time) n times: the run of median decode time, the
     median host work per step in seconds (None without a host count) and the median of each of its parts a step
@@ -233,14 +242,17 @@ def _decode_rows(target, V: int, bc: BenchConfig, rng, floor_ms, log, peer) -> t
         res, host, parts = _median_run(lambda d=drafter, b=budget: generate(target, prompt, bc.decode_tokens, drafter=d,
                                                                     budget=b, block_size=bc.block_size), bc.repeats)
         per_step = res.decode_s / max(res.steps, 1) * 1e3
+        parted = leaves_ar_at(res.tokens, ar.tokens)
         n = budget + 1
         tree_floor = floor_ms(n, L, rng.integers(0, V, n), L + np.arange(n) % bc.block_size, np.eye(n, dtype=bool))
         # the peer column holds the peer's AR decode: DDTree is compared with plain decoding
         rows.append(Row(f"decode DDTree {name}", "decode", len(res.tokens) / res.decode_s, "tok/s", per_step,
                         tree_floor, peer=r.peer,
                         extra={"avg_accept": res.avg_accept, "steps": res.steps, "budget": budget,
-                               "block_size": bc.block_size, "vs_kdt_ar": len(res.tokens) / res.decode_s / r.value}))
-        log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}")
+                               "block_size": bc.block_size, "vs_kdt_ar": len(res.tokens) / res.decode_s / r.value,
+                               "leaves_ar_at": parted}))
+        log(f"{rows[-1].name}: {rows[-1].value:.1f} tok/s, avg_accept {res.avg_accept:.2f}"
+            + ("" if parted is None else f", leaves AR's tokens at token {parted} (rounding at a near-tie)"))
         if name.startswith("oracle") and budget == bc.budget:
             host_work[f"DDTree {name}"] = (host, parts)
     for name, (host, parts) in host_work.items():  # the host's share of a step: drafting, launch, bookkeeping

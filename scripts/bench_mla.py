@@ -50,16 +50,6 @@ def _attention_tc(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, scratch, S:
         mla._mla_combine_v2(scratch, S, L_dev, o_lat, BT)
 
 
-def _fma_splits(M: int, H: int, Rkv: int, dr: int) -> int:
-    """The engine's splits of version 2's FMA attention (what KDT_MLA_ATTN_TC_M=0 would pick)."""
-    saved = attn_tc.TC_MIN_M, attn_tc.TC_LONG_M
-    attn_tc.TC_MIN_M = attn_tc.TC_LONG_M = 0
-    try:
-        return mla.mla_num_splits(MAX_LEN, M, H, Rkv, dr, version=2)
-    finally:
-        attn_tc.TC_MIN_M, attn_tc.TC_LONG_M = saved
-
-
 def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), Ls: tuple[int, ...] = (512, 8192),
          Ms: tuple[int, ...] = (1, 16, 64), tc: bool = False):
     """(kernel, shape, variant, callable, bytes) for one model."""
@@ -102,7 +92,7 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
             variants += [(f"v2 S(max) k{km}", 2, S, ("keys", km)) for km in split_keys]
             if tc and attn_tc.supports(H, Rkv, dr):  # on tensor cores, the engine's splits were it on
                 S, S1 = attn_tc.num_splits(MAX_LEN, M, H), attn_tc.num_splits(MAX_LEN, M, H, NM=1)
-                variants += [("v2 fma S(max)", 2, _fma_splits(M, H, Rkv, dr), ("fma",)),
+                variants += [("v2 fma S(max)", 2, mla._fma_splits(MAX_LEN, M, H, Rkv, dr), ("fma",)),
                              ("v2 tc S(max)", 2, S, ("tc", 16, 0, 2, 4)),
                              ("v2 tc nm1 S(max)", 2, S1, ("tc", 16, 0, 1, 8)),
                              ("v2 tc nm1 cap S(max)", 2, S1, ("tc", 16, 128, 1, 8))]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1348,7 +1348,44 @@ s33c)  # session 33: the attention shared by prefix between 64 and 127 tokens (b
     --quick --tc --M 64,96 --L 512,1024,8192 --only "v2 S(max),v2 fma S(max),v2 tc hl S(max)" \
     --json "$OUT/mla-$day-moonlight-shared-s33c.json"
   grep -h "attention\|Error\|error" "$OUT/mla_shared.log" | cut -c1-110 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c"; exit 2 ;;
+s34a)  # session 34: the attention shared by prefix on by default (from 64 tokens), the FMA kernel in its own splits
+  # below TC_LONG_L keys: the attention's gpu tests (shared by prefix, tensor cores, v2 as the engine calls it), the
+  # engine's invariant and graph replay with the shared range from 16 tokens and the tensor cores from 40 keys (both
+  # sides met), kdt verify (defaults); then the Moonlight attention + combine at 16 / 32 / 64 tokens, the default
+  # beside each kernel alone
+  tparts 300 kern tests/test_kernels_mla.py -k "shared_by_prefix or attention_tc or v2_engine_splits"
+  ( KDT_MLA_ATTN_TC_LONG_M=16 KDT_MLA_ATTN_TC_LONG_L=40 timeout 300 python3 -m pytest -q -m gpu \
+      tests/test_engine_cuda.py -k "invariant_200 or graph_replay" -p no:cacheprovider -rf --durations=0 \
+      > "$OUT/pytest_invariant.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_invariant.log" ) &
+  verify_beside_tparts 250 1 kern invariant
+  step mla_own ${MLA_TIMEOUT:-200} python3 scripts/bench_mla.py --presets moonlight-16b-a3b --kernels attention \
+    --quick --tc --M 16,32,64 --L 512,1024,2048,8192 --only "v2 S(max),v2 fma S(max),v2 tc hl S(max)" \
+    --json "$OUT/mla-$day-moonlight-shared-own-s34a.json"
+  grep -h "attention\|Error\|error" "$OUT/mla_own.log" | cut -c1-110 ;;
+s34b)  # session 34, issue 7: kdt bench on the Moonlight shape with the attention shared by prefix from 64 tokens (the
+  # DDTree rows now say where a decode leaves AR's tokens), alone
+  step bench_moonlight ${BENCH_TIMEOUT:-480} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s34b.json"
+  tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
+s34c)  # session 34: where greedy DDTree leaves greedy AR on Moonlight's random weights (the budget-64 oracle, 512
+  # tokens), and the routing near-tie behind it: scripts/probe_divergence.py with the attention shared by prefix on
+  # (the default) and off, side by side
+  ( step probe_shared 500 python3 scripts/probe_divergence.py --tokens 512 --json "$OUT/probe-$day-shared-s34c.json"
+    ) &
+  KDT_MLA_ATTN_TC_LONG_M=0 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nc}-off step probe_off 500 python3 \
+    scripts/probe_divergence.py --tokens 512 --json "$OUT/probe-$day-off-s34c.json"
+  wait
+  tail -c 1500 "$OUT/probe_shared.log"; tail -c 1500 "$OUT/probe_off.log" ;;
+s34d)  # session 34: the shared range from 16 tokens (the tensor cores from 4096 / 2048 / 1024 keys at 16 / 32 / 64
+  # tokens, where the cache reaches them): the attention's gpu tests as the engine calls it, beside the engine's
+  # invariant and graph replay with the shared range's prefixes lowered to 40 / 80 / 160 keys, and kdt verify
+  tparts 420 kern tests/test_kernels_mla.py -k "shared_by_prefix or v2_engine_splits or gpu_forced_splits"
+  ( KDT_MLA_ATTN_TC_LONG_L=40 timeout 360 python3 -m pytest -q -m gpu tests/test_engine_cuda.py -k \
+      "invariant_200 or graph_replay" -p no:cacheprovider -rf --durations=0 > "$OUT/pytest_invariant.log" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_invariant.log" ) &
+  verify_beside_tparts 250 1 kern invariant ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

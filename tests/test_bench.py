@@ -29,11 +29,20 @@ def test_bench_quick_cpu_writes_json(tmp_path):
         if row["kind"] in ("prefill", "decode", "verify"):
             assert row["value"] > 0 and row["floor_ms"] > 0 and row["x_floor"] > 0, name
     assert rows["decode DDTree oracle"]["extra"]["avg_accept"] == 8.0  # block 8, full acceptance
+    for name in ("oracle", "oracle, host draft", "oracle chain", "noisy", "suffix"):  # the invariant (SPEC 3)
+        assert rows[f"decode DDTree {name}"]["extra"]["leaves_ar_at"] is None, name
     chain = rows["decode DDTree oracle chain"]["extra"]
     assert chain["budget"] == 7 and chain["avg_accept"] == 8.0  # the chain accepts the whole block too
     if "peer logits rel. difference" in rows:  # transformers installed: the peer computes the same model
         assert rows["peer logits rel. difference"]["value"] < 1e-4
         assert rows["decode AR"]["peer"] > 0
+
+
+def test_leaves_ar_at():
+    from kdt.bench import leaves_ar_at
+
+    assert leaves_ar_at([5, 6, 7], [5, 6, 7]) is None and leaves_ar_at([5, 6], [5, 6, 7]) is None
+    assert leaves_ar_at([5, 9, 7], [5, 6, 7]) == 1 and leaves_ar_at([4], [5]) == 0
 
 
 def test_floor_bytes_count_weights_experts_and_cache():

@@ -115,10 +115,26 @@ def run_attention(q_abs, q_pe, c_kv, k_pe, L, vis, scale, n_splits=None, scratch
     return o_d.copy_to_host()
 
 
+def on_tensor_cores(cfg, L, M, version=None, params=None, split_keys=None, on_tc=None) -> bool:
+    """Whether the attention as :func:`run_attention` calls it computes on tensor cores (kdt.kernels.attn_tc): asked
+    to, or version 2's dispatch at this M (and, shared by prefix, this L, on the host or the device)."""
+    from kdt.kernels import attn_tc
+
+    if on_tc is not None:
+        return on_tc
+    H, Rkv, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    km = mla.SPLIT_KEYS if split_keys is None else split_keys
+    return (mla._version(version) == 2 and params is None and km == 0
+            and (attn_tc.uses_tc(M, H, Rkv, dr) or attn_tc.shares_tc(M, H, Rkv, dr, L)))
+
+
 def check_attention(rng, cfg, L, M, n_splits=None, general_vis=False, version=None, params=None,
-                    device_L=False, split_keys=None, on_tc=None, bound=F32_BOUND, hl=False):
-    """The attention's o_lat (:func:`run_attention`'s options) against the float64 reference within ``bound``;
-    with ``hl`` also without the pre-split cache, bit for bit the same."""
+                    device_L=False, split_keys=None, on_tc=None, bound=None, hl=False):
+    """The attention's o_lat (:func:`run_attention`'s options) against the float64 reference within ``bound``
+    (default F32_BOUND, TC_BOUND where it runs on tensor cores: :func:`on_tensor_cores`); with ``hl`` also without
+    the pre-split cache, bit for bit the same."""
+    if bound is None:
+        bound = TC_BOUND if on_tensor_cores(cfg, L, M, version, params, split_keys, on_tc) else F32_BOUND
     q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
     if general_vis:  # any pattern with a visible diagonal, e.g. rows that do not see slot L
         vis = rng.random((M, M)) < 0.5
@@ -664,14 +680,16 @@ def test_mla_attention_tc_general_vis(rng):
 def check_shared_by_prefix(rng, cfg, M: int, S: int, LX: int) -> None:
     """Token counts that both kernels take by prefix (attn_tc.shares_tc: M tokens, the tensor cores from LX keys):
     with L on the device (a CUDA graph) both launch into the same NaN-poisoned partials, each returning at once
-    outside its prefixes: at L = LX the result is the tensor-core kernel's alone, bit for bit, at LX - 1 within
+    outside its prefixes (the FMA kernel in fewer splits of its own than the launch's S: the combine must read the
+    layout that L names), at L = LX the result is the tensor-core kernel's alone, bit for bit, at LX - 1 within
     F32_BOUND; an L on the host picks one kernel. Each kernel alone at a prefix that is not its own writes nothing
     (so below LX the result is the FMA kernel's)."""
     from kdt.kernels import attn_tc
 
     H, Rkv, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    assert attn_tc.shares_tc(M, H, Rkv, dr, 8) and not attn_tc.uses_tc(M, H, Rkv, dr) and attn_tc.TC_LONG_L == LX
+    assert attn_tc.shares_tc(M, H, Rkv, dr) and not attn_tc.uses_tc(M, H, Rkv, dr) and attn_tc.long_l(M) == LX
     assert mla.mla_num_splits(LX + 40, M, H, Rkv, dr) == attn_tc.num_splits(LX + 40, M, H)
+    assert 1 < mla._fma_splits(LX, M, H, Rkv, dr) < S  # the FMA kernel's own splits, fewer than the launch's
     for L in (LX - 1, LX):  # (simulator time: the tensor-core kernel runs twice, the FMA kernel twice)
         q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
         ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
@@ -692,36 +710,42 @@ def check_shared_by_prefix(rng, cfg, M: int, S: int, LX: int) -> None:
         if launch == "tc":
             attn_tc.attention(*args, o, part, S, kv_hl=dev(mla.kv_hl_np(c_kv, k_pe)), LMIN=LX)
         else:
-            k = mla._attention2_kernel(Rkv, dr, *mla._attn2_params(H, Rkv, dr), LMAX=LX, KR=attn_tc.BC_DEFAULT)
+            k = mla._attention2_kernel(Rkv, dr, *mla._attn2_params(H, Rkv, dr), LMAX=LX, SOWN=S)
             k[(-(-H // k.geom["R"]), M, S), k.geom["NT"]](*args, o, part)
         assert np.isnan(o.copy_to_host()).all() and np.isnan(part.copy_to_host()).all(), launch
 
 
 @pytest.mark.kernels
 def test_mla_attention_shared_by_prefix(rng, monkeypatch):
-    """check_shared_by_prefix at model_code's shape, M = 5 in the shared range, the tensor cores from 24 keys."""
+    """check_shared_by_prefix at model_code's shape, M = 5 in the shared range, the tensor cores from 24 keys (four
+    times TC_LONG_L below 32 tokens)."""
     from kdt.kernels import attn_tc
 
     monkeypatch.setattr(attn_tc, "TC_MIN_M", 100)
     monkeypatch.setattr(attn_tc, "TC_LONG_M", 4)
-    monkeypatch.setattr(attn_tc, "TC_LONG_L", 24)
+    monkeypatch.setattr(attn_tc, "TC_LONG_L", 6)
     check_shared_by_prefix(rng, code_cfg(), 5, 3, 24)
 
 
 def test_mla_attention_tc_dispatch(monkeypatch):
     """KDT_MLA_ATTN_TC_M: version 2's splits (and so the engine's scratch) follow the tensor-core kernel from that M on,
     for shapes it takes; off (0) they are the FMA kernel's. KDT_MLA_ATTN_TC_LONG_M: from there up to TC_MIN_M both
-    kernels share the token count by prefix, with the tensor cores' splits."""
+    kernels share the token count by prefix from long_l(M) keys on, with the tensor cores' splits (the FMA kernel a
+    count of its own), where the cache reaches that prefix."""
     from kdt.kernels import attn_tc
 
     monkeypatch.setattr(attn_tc, "TC_MIN_M", 96)
-    monkeypatch.setattr(attn_tc, "TC_LONG_M", 64)
-    assert [attn_tc.shares_tc(M, 16, 512, 64, 8) for M in (63, 64, 95, 96)] == [False, True, True, False]
-    assert not attn_tc.shares_tc(64, 16, 512, 64, 32)  # an FMA key tile that does not divide the tensor cores' 16
-    assert attn_tc.min_tokens(16, 512, 64) == 64 and attn_tc.min_tokens(2, 16, 4) == 0
+    monkeypatch.setattr(attn_tc, "TC_LONG_M", 16)
+    monkeypatch.setattr(attn_tc, "TC_LONG_L", 1024)
+    assert [attn_tc.shares_tc(M, 16, 512, 64) for M in (15, 16, 95, 96)] == [False, True, True, False]
+    assert [attn_tc.long_l(M) for M in (16, 31, 32, 63, 64, 95)] == [4096, 4096, 2048, 2048, 1024, 1024]
+    assert attn_tc.shares_tc(64, 16, 512, 64, 1024) and not attn_tc.shares_tc(63, 16, 512, 64, 1024)
+    assert attn_tc.runs_tc(16, 512, 64, 64, 1024) and not attn_tc.runs_tc(16, 512, 64, 63, 2047)
+    assert attn_tc.runs_tc(16, 512, 64, 96, 100) and not attn_tc.runs_tc(2, 16, 4, 256, 8192)  # any L; Rkv % 64
     assert mla.mla_num_splits(8192, 70, 16, version=2) == attn_tc.num_splits(8192, 70, 16)
+    assert mla.mla_num_splits(1000, 70, 16, version=2) == mla._fma_splits(1000, 70, 16, 512, 64)  # never shared
     monkeypatch.setattr(attn_tc, "TC_LONG_M", 0)
-    assert not attn_tc.shares_tc(64, 16, 512, 64, 8) and attn_tc.min_tokens(16, 512, 64) == 96
+    assert not attn_tc.shares_tc(64, 16, 512, 64) and not attn_tc.runs_tc(16, 512, 64, 95, 8192)
     monkeypatch.setattr(attn_tc, "TC_MIN_M", 16)
     assert mla.mla_num_splits(8192, 64, 16, version=2) == attn_tc.num_splits(8192, 64, 16)
     assert attn_tc.num_splits(8192, 64, 16) == 8  # 32 blocks of 32 rows, 2 blocks an SM on 132 SMs

@@ -259,13 +259,13 @@ class DeviceLogits:
         return self.shape[0]
 
 
-def uses_kv_hl(cfg: ModelConfig, max_tokens: int) -> bool:
+def uses_kv_hl(cfg: ModelConfig, max_tokens: int, max_len: int) -> bool:
     """Whether a stack of this config keeps the pre-split latent cache ``kv_hl`` (uint32 [n_layers, max_len,
     Rkv + dr], kdt.kernels.mla.kv_hl_np's words) beside c_kv / k_pe: where version 2's attention can run on tensor
-    cores (kdt.kernels.attn_tc, which reads it: forwards of attn_tc.min_tokens or more) and its rows are whole
-    16-byte copies (attn_tc.supports_hl)."""
+    cores (kdt.kernels.attn_tc, which reads it: attn_tc.runs_tc) and its rows are whole 16-byte copies
+    (attn_tc.supports_hl)."""
     H, Rkv, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    return 0 < attn_tc.min_tokens(H, Rkv, dr) <= max_tokens and attn_tc.supports_hl(Rkv, dr)
+    return attn_tc.runs_tc(H, Rkv, dr, max_tokens, max_len) and attn_tc.supports_hl(Rkv, dr)
 
 
 class DecoderStack:
@@ -284,7 +284,8 @@ class DecoderStack:
         self.c_kv = cuda.to_device(np.zeros((n, self.max_len, cfg.kv_lora_rank), np.float32))
         self.k_pe = cuda.to_device(np.zeros((n, self.max_len, cfg.qk_rope_head_dim), np.float32))
         F = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        self.kv_hl = cuda.to_device(np.zeros((n, self.max_len, F), np.uint32)) if uses_kv_hl(cfg, self.M_max) else None
+        hl = uses_kv_hl(cfg, self.M_max, self.max_len)
+        self.kv_hl = cuda.to_device(np.zeros((n, self.max_len, F), np.uint32)) if hl else None
         cos, sin = mla.rope_tables(cfg, self.max_len)
         self.cos_tab, self.sin_tab = cuda.to_device(cos), cuda.to_device(sin)
         self.buf = Buffers(cfg, self.M_max, self.max_len)
@@ -346,7 +347,8 @@ class DecoderStack:
                                         lw.kv_b_proj, positions, self.cos_tab, self.sin_tab, cfg.rope_interleave,
                                         b.q_abs[:M], b.q_pe[:M], stream=s, kv_hl=kv_hl)
             mla.mla_attention(b.q_abs[:M], b.q_pe[:M], self.c_kv[i], self.k_pe[i], b.L, vis, cfg.softmax_scale,
-                              b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s, kv_hl=kv_hl)
+                              b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s, kv_hl=kv_hl,
+                              max_len=self.max_len)
             mla.uv_project(b.o_lat[:M], lw.kv_b_proj, b.o[:M], stream=s)
             linear(b.o[:M], lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
             if lw.moe is not None:

@@ -43,18 +43,22 @@ from kdt.kernels.mla import MAX_SPLITS_V2, _num_sms, _shfl_xor, online_softmax
 
 NEG_INF = float32(-np.inf)
 # the fewest tokens version 2's attention runs here at any prefix (0: never; env KDT_MLA_ATTN_TC_M), and from how many
-# it runs here at prefixes of TC_LONG_L keys or more, version 2's FMA kernel below (0: never, the default; env
-# KDT_MLA_ATTN_TC_LONG_M, KDT_MLA_ATTN_TC_LONG_L). Session 32's s32a (Moonlight, attention + combine, us, FMA / here):
-# M = 16 at L = 512 / 8192 29.3 / 183.8 against 66.6 / 154.1; session 33's s33a / s33c (the engine's pre-split cache):
-# M = 64 at L = 512 / 1024 / 8192 63.9 / 105.0 / 679.7 against 82.4 / 99.4 / 349.4; M = 96 114.2 / 196.2 / 1344.3
-# against 93.6 / 121.5 / 519.4; M = 128 at 512 / 8192 122.2 / 1354.0 against 106.7 / 642.6. A CUDA graph fixes its
-# kernels per token count, not per prefix: between the two counts it launches both, each returning at once outside
-# its prefixes (mla._mla_attention_v2; at 64 tokens 78.1 / 103.2 / 354.7 us). Off by default: with it on from 64
-# tokens (s33b), Moonlight's budget-64 oracle left AR's tokens at the 194th (AR's top-2 margin there 0.166, logits'
-# std 1.01: no rounding), though the kernel tests (Moonlight, 64 tokens) and 250 invariant trials (tiny, from 16
-# tokens and 40 keys) passed on the H200; not explained yet
+# it runs here at prefixes of long_l(M) keys or more (TC_LONG_L from 64 tokens, twice that from 32, four times below),
+# version 2's FMA kernel below (0: never; env KDT_MLA_ATTN_TC_LONG_M, KDT_MLA_ATTN_TC_LONG_L). Session 32's s32a
+# (Moonlight, attention + combine, us, FMA / here): M = 16 at L = 512 / 8192 29.3 / 183.8 against 66.6 / 154.1;
+# session 33's s33a / s33c (the engine's pre-split cache): M = 64 at L = 512 / 1024 / 8192 63.9 / 105.0 / 679.7
+# against 82.4 / 99.4 / 349.4; M = 96 114.2 / 196.2 / 1344.3 against 93.6 / 121.5 / 519.4; M = 128 at 512 / 8192
+# 122.2 / 1354.0 against 106.7 / 642.6. A CUDA graph fixes its kernels per token count, not per prefix: between the
+# two counts it launches both, each returning at once outside its prefixes, the FMA kernel in its own splits
+# (mla._mla_attention_v2). Session 33 kept that off after Moonlight's budget-64 oracle left AR's tokens with it on;
+# session 34's scripts/probe_divergence.py found the same departure with it off: two near-ties of the routing
+# (AR's k-th and (k+1)-th choice scores 7.9e-6 and 2.3e-4 apart) that the verify's rounding flips, not this kernel.
+# Session 34's s34a (us, both launched / FMA alone / here): M = 64 at L = 512 / 2048 / 8192 67.1 / 139.7 / 356.5
+# against 64.2 / 187.0 / 681.7 and 82.1 / 135.2 / 350.4 (s33c, the FMA kernel in the tensor cores' splits: 78.1 at
+# 512); M = 32 at 1024 / 2048 / 8192 FMA 60.5 / 101.6 / 347.4, here 78.3 / 97.6 / 207.0; M = 16 at 2048 / 8192 FMA
+# 60.1 / 183.8, here 77.9 / 134.0
 TC_MIN_M = int(os.environ.get("KDT_MLA_ATTN_TC_M", "96"))
-TC_LONG_M = int(os.environ.get("KDT_MLA_ATTN_TC_LONG_M", "0"))
+TC_LONG_M = int(os.environ.get("KDT_MLA_ATTN_TC_LONG_M", "16"))
 TC_LONG_L = int(os.environ.get("KDT_MLA_ATTN_TC_LONG_L", "1024"))
 MIN_KEYS_PER_SPLIT = 128  # a split's keys at least (the block loads its Q once a split)
 SPLIT_BLOCKS_PER_SM = 2  # the splits aim at this many blocks an SM (a tail of one wave in two)
@@ -75,19 +79,23 @@ def uses_tc(M: int, H: int, Rkv: int, dr: int) -> bool:
     return TC_MIN_M > 0 and M >= TC_MIN_M and supports(H, Rkv, dr)
 
 
-def shares_tc(M: int, H: int, Rkv: int, dr: int, BT: int = 1) -> bool:
-    """Whether version 2's attention of M tokens runs here at prefixes from ``TC_LONG_L`` keys, the FMA kernel below
-    (``TC_LONG_M`` <= M < ``TC_MIN_M``; the FMA kernel's key tile BT a divisor of BC_DEFAULT, so that both kernels
-    split the keys alike)."""
+def long_l(M: int) -> int:
+    """The prefix from which M tokens that share (:func:`shares_tc`) run here: the FMA kernel's time grows with M L,
+    this kernel's from a higher fixed cost more slowly, so fewer tokens cross over at a longer prefix."""
+    return TC_LONG_L * (1 if M >= 64 else 2 if M >= 32 else 4)
+
+
+def shares_tc(M: int, H: int, Rkv: int, dr: int, L: int | None = None) -> bool:
+    """Whether version 2's attention of M tokens runs here at prefixes from :func:`long_l` keys, the FMA kernel below
+    (``TC_LONG_M`` <= M < ``TC_MIN_M``); ``L``: the longest prefix the launch may see (None: any), e.g. an engine's
+    max_len: a cache that never reaches long_l(M) keys leaves M tokens to the FMA kernel."""
     below = TC_MIN_M <= 0 or M < TC_MIN_M
-    return 0 < TC_LONG_M <= M and below and supports(H, Rkv, dr) and BC_DEFAULT % BT == 0
+    return 0 < TC_LONG_M <= M and below and supports(H, Rkv, dr) and (L is None or L >= long_l(M))
 
 
-def min_tokens(H: int, Rkv: int, dr: int) -> int:
-    """The fewest tokens of a forward that may run here (0: none)."""
-    if not supports(H, Rkv, dr):
-        return 0
-    return min((m for m in (TC_MIN_M, TC_LONG_M) if m > 0), default=0)
+def runs_tc(H: int, Rkv: int, dr: int, max_tokens: int, max_len: int) -> bool:
+    """Whether some forward of at most max_tokens tokens over a cache of max_len slots may run here."""
+    return any(uses_tc(M, H, Rkv, dr) or shares_tc(M, H, Rkv, dr, max_len) for M in range(1, max_tokens + 1))
 
 
 def supports_hl(Rkv: int, dr: int) -> bool:

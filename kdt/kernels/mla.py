@@ -623,18 +623,23 @@ def mla_num_splits(L: int, M: int, H: int, Rkv: int = 512, dr: int = 64, version
     if _version(version) == 2:
         from kdt.kernels import attn_tc  # (it builds on this module)
 
-        if attn_tc.uses_tc(M, H, Rkv, dr) or attn_tc.shares_tc(M, H, Rkv, dr):
+        if attn_tc.uses_tc(M, H, Rkv, dr) or attn_tc.shares_tc(M, H, Rkv, dr, L):
             return attn_tc.num_splits(L, M, H)
-        _, A2, NW2, _, _ = _attn2_params(H, Rkv, dr)
-        # whole waves: as many splits as fit beside each other (M=64 on 264 slots: 4 splits, 256
-        # blocks, not 5 = 320 blocks = a second wave of 56); BLOCKS_PER_SM_V2 counts 4-warp blocks
-        want = (_attn2_blocks_per_sm(NW2) * _num_sms()) // max(1, cdiv(H, NW2 * A2) * M)
-        return int(max(1, min(want, cdiv(L + M, MIN_KEYS_PER_SPLIT_V2), MAX_SPLITS_V2)))
+        return _fma_splits(L, M, H, Rkv, dr)
     _, A, NW, _ = _attn_params(H, Rkv, dr)
     base = cdiv(H, NW * A) * M
     T = L + M
     want = cdiv(2 * _num_sms(), max(base, 1))
     return int(max(1, min(want, cdiv(T, MIN_KEYS_PER_SPLIT), MAX_SPLITS)))
+
+
+def _fma_splits(L: int, M: int, H: int, Rkv: int, dr: int) -> int:
+    """Version 2's FMA kernel's splits of [0, L + M) (mla_num_splits)."""
+    _, A2, NW2, _, _ = _attn2_params(H, Rkv, dr)
+    # whole waves: as many splits as fit beside each other (M=64 on 264 slots: 4 splits, 256
+    # blocks, not 5 = 320 blocks = a second wave of 56); BLOCKS_PER_SM_V2 counts 4-warp blocks
+    want = (_attn2_blocks_per_sm(NW2) * _num_sms()) // max(1, cdiv(H, NW2 * A2) * M)
+    return int(max(1, min(want, cdiv(L + M, MIN_KEYS_PER_SPLIT_V2), MAX_SPLITS_V2)))
 
 
 def mla_scratch_size(M: int, H: int, Rkv: int, n_splits: int) -> int:
@@ -643,7 +648,8 @@ def mla_scratch_size(M: int, H: int, Rkv: int, n_splits: int) -> int:
 
 
 def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch=None,
-                  n_splits: int | None = None, stream=0, version: int | None = None, kv_hl=None) -> None:
+                  n_splits: int | None = None, stream=0, version: int | None = None, kv_hl=None,
+                  max_len: int | None = None) -> None:
     """o_lat[m,h] = sum_t softmax_t(s[m,h,t]) c_kv[t] over cache slots t in [0, L+M).
 
     s[m,h,t] = (q_abs[m,h] . c_kv[t] + q_pe[m,h] . k_pe[t]) * scale; slots t < L are visible, slot
@@ -665,6 +671,7 @@ def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scr
 
     ``kv_hl``: None, or the pre-split cache uint32 [max_len, Rkv + dr] (:func:`kv_hl_np` of the two caches, rows
     [0, L+M) written): version 2 on tensor cores reads it (kdt.kernels.attn_tc), the FMA kernels ignore it.
+    ``max_len`` (with L on the device): the longest prefix it may hold, as ``n_splits`` came from (None: any).
     """
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
@@ -672,7 +679,7 @@ def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scr
         return
     if _version(version) == 2:
         _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream,
-                          kv_hl=kv_hl)
+                          kv_hl=kv_hl, max_len=max_len)
         return
     G, A, NW, BT = _attn_params(H, Rkv, dr)
     if isinstance(L, (int, np.integer)):
@@ -936,14 +943,13 @@ def _attn2_geometry(Rkv, dr, G, A, NW, VPL, CG) -> dict:
                 LOGG=int(round(math.log2(G))), XB=NT if IS_SIM else 1)
 
 
-def _split_keys(s, KM: int, KR: int = 0) -> None:
+def _split_keys(s, KM: int, BT: str = "BT") -> None:
     """Emit ``kps``, the keys of a split, as the v2 attention and its combine both derive it from T = L + M and
-    the S splits of the launch: cdiv(T, S), at least KM (0: no floor), rounded up to whole tiles of BT (KR > 0:
-    to a multiple of KR instead, the tensor-core kernel's tile when both kernels share the launch's partials)."""
+    the S splits: cdiv(T, S), at least KM (0: no floor), rounded up to whole key tiles of ``BT`` keys."""
     s("kps = (T + S - 1) // S")
     if KM:
         s(f"kps = max(kps, {KM})")
-    s(f"kps = (kps + {KR - 1}) // {KR} * {KR}" if KR else "kps = (kps + BT - 1) // BT * BT")
+    s(f"kps = (kps + {BT} - 1) // {BT} * {BT}")
 
 
 def online_softmax(s, scores: list[str], span: int, shfl) -> None:
@@ -971,13 +977,16 @@ def online_softmax(s, scores: list[str], span: int, shfl) -> None:
 
 
 def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW, CPT, GS, V, PEP, NLC,
-                  NLP, LOGG, PF, KM=0, LMAX=0, KR=0, **_) -> str:
+                  NLP, LOGG, PF, KM=0, LMAX=0, SOWN=0, **_) -> str:
     """Python source of the v2 attention kernel (see the section comment), loops written out.
 
     PF (how the next key tile's global loads overlap this tile's compute): 0 = none (loads at the top
     of the tile loop); 1 = into registers right after this tile is staged (live through both phases);
     2 = into registers between the score and the p @ c_kv phases (live through the second only),
-    stored to the other half of a double-buffered tile, one barrier fewer per tile."""
+    stored to the other half of a double-buffered tile, one barrier fewer per tile.
+
+    LMAX > 0 (attn_tc.shares_tc): prefixes L >= LMAX are the tensor-core kernel's (it returns at once), and below
+    it takes SOWN of the launch's splits (its own count; the combine told the same by L)."""
     s = Src()
     B = "bf, " if PF == 2 else ""  # tile buffer index of sK
 
@@ -1046,13 +1055,13 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
         s("H = q_abs.shape[1]")
         s("m = cuda.blockIdx.y")
         s("sp = cuda.blockIdx.z")
-        s("S = cuda.gridDim.z")
+        s(f"S = {SOWN}  # of the launch's splits (later ones stay empty)" if LMAX else "S = cuda.gridDim.z")
         s("L = L_dev[0]")
         if LMAX:  # prefixes from LMAX are the tensor-core kernel's (attn_tc.shares_tc)
             with s.block(f"if L >= {LMAX}:"):
                 s("return")
         s("T = L + M")
-        _split_keys(s, KM, KR)
+        _split_keys(s, KM)
         s("t_lo = sp * kps")
         with s.block("if t_lo >= T:"):
             s("return")
@@ -1168,7 +1177,7 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
             s("sMl[0, row_me] = m_run")
             s("sMl[1, row_me] = l_run")
         s("cuda.syncthreads()")
-        with s.block("if S == 1:"):
+        with s.block(f"if {'cuda.gridDim.z' if LMAX else 'S'} == 1:  # no combine follows"):
             for r in range(RPT):
                 s(f"h = h0 + r0 + {r}")
                 with s.block("if h < H:"):
@@ -1193,22 +1202,26 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
 
 @functools.cache
 def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG: int, PF: int = 2, KM: int = 0,
-                       LMAX: int = 0, KR: int = 0):
+                       LMAX: int = 0, SOWN: int = 0):
     """The v2 attention kernel (cached per geometry; KM: the split keys' floor, ``split_keys``; LMAX > 0: it returns
-    at once for prefixes L >= LMAX, KR > 0: splits rounded to KR keys, both for sharing a launch's partials with the
-    tensor-core kernel); ``.geom`` holds its constants."""
+    at once for prefixes L >= LMAX and takes SOWN splits below, for sharing a launch with the tensor-core kernel);
+    ``.geom`` holds its constants."""
     g = _attn2_geometry(Rkv, dr, G, A, NW, VPL, CG)
     sk = (2, g["BT"], g["FP"]) if PF == 2 else (g["BT"], g["FP"])
     ns = dict(g, cuda=cuda, float32=float32, uint64=uint64, math=math, NEG_INF=NEG_INF, shfl=_shfl_xor, DR=dr,
               RS=Rkv + 2, UDR=np.uint64(dr), URKV=np.uint64(Rkv), SK_SHAPE=sk, SP_SHAPE=(g["BT"], g["R"] + 1),
               SML_SHAPE=(2, g["R"]))
     ns.update({f"U{i}": np.uint64(i) for i in range(max(g["FP"], g["R"]) + 1)})
-    k = jit_source(_attn2_source(PF=PF, KM=KM, LMAX=LMAX, KR=KR, **g), "mla_attention2", ns, __name__)
-    k.geom = g
+    if LMAX and SOWN < 1:
+        raise ValueError(f"a launch shared by prefix needs the FMA kernel's own splits (SOWN={SOWN})")
+    k = jit_source(_attn2_source(PF=PF, KM=KM, LMAX=LMAX, SOWN=SOWN, **g), "mla_attention2", ns, __name__)
+    k.geom, k.sown = g, SOWN
     return k
 
 
-def _combine2_source(G, NWC, CPC, US, KM=0, **_) -> str:
+def _combine2_source(G, NWC, CPC, US, KM=0, LMAX=0, SOWN=0, BTO=0, **_) -> str:
+    """LMAX > 0: a launch shared by prefix (attn_tc.shares_tc): below LMAX the partials are the FMA kernel's, SOWN
+    splits of BTO-key tiles; from LMAX the tensor-core kernel's, S splits of BT."""
     s = Src()
     with s.block("def mla_combine2(part, S, L_dev, o_lat):"):
         s('"""v2 flash-decoding combine. part as written by the v2 attention (only its ne non-empty')
@@ -1227,7 +1240,14 @@ def _combine2_source(G, NWC, CPC, US, KM=0, **_) -> str:
         s("Rkv = o_lat.shape[2]")
         s("RS = Rkv + 2")
         s("T = L_dev[0] + M")
-        _split_keys(s, KM)
+        if LMAX:
+            with s.block(f"if L_dev[0] < {LMAX}:"):
+                s(f"S = {SOWN}")
+                _split_keys(s, KM, str(BTO))
+            with s.block("else:"):
+                _split_keys(s, KM)
+        else:
+            _split_keys(s, KM)
         s("ne = (T + kps - 1) // kps")
         s("base0 = (m * H + h) * S * RS")
         s("wts = cuda.shared.array(MAXS, float32)")
@@ -1279,14 +1299,16 @@ def _combine2_source(G, NWC, CPC, US, KM=0, **_) -> str:
 
 
 @functools.cache
-def _combine2_kernel(BT: int, G: int, NWC: int, CPC: int, KM: int = 0):
+def _combine2_kernel(BT: int, G: int, NWC: int, CPC: int, KM: int = 0, shared: tuple[int, int, int] | None = None):
     US = 2 if IS_SIM else max(1, 8 // CPC)  # splits in flight per lane (x CPC columns)
     NT, CW = NWC * G, G * CPC
     if NT & (NT - 1):
         raise ValueError(f"combine block {NT} must be a power of two")
     ns = dict(cuda=cuda, float32=float32, math=math, NEG_INF=NEG_INF, tree_reduce=_tree_reduce, BT=BT, G=G,
               NWC=NWC, CPC=CPC, US=US, NT=NT, CW=CW, MAXS=MAX_SPLITS_V2, RED2_SHAPE=(NWC, CW))
-    k = jit_source(_combine2_source(G=G, NWC=NWC, CPC=CPC, US=US, KM=KM), "mla_combine2", ns, __name__)
+    LMAX, SOWN, BTO = shared or (0, 0, 0)
+    k = jit_source(_combine2_source(G=G, NWC=NWC, CPC=CPC, US=US, KM=KM, LMAX=LMAX, SOWN=SOWN, BTO=BTO), "mla_combine2",
+                   ns, __name__)
     k.threads, k.cols = NT, CW
     return k
 
@@ -1308,23 +1330,28 @@ def _combine2_config(S: int, M: int, H: int, Rkv: int) -> tuple[int, int, int]:
     return G, NWC, nch // chunks
 
 
-def _mla_combine_v2(part, S: int, L_dev, o_lat, BT: int, stream=0, km: int = 0) -> None:
+def _mla_combine_v2(part, S: int, L_dev, o_lat, BT: int, stream=0, km: int = 0,
+                    shared: tuple[int, int, int] | None = None) -> None:
+    """The v2 combine of S splits of BT-key tiles; ``shared`` (LMAX, SOWN, BTO): below prefix LMAX, SOWN of BTO."""
     M, H, Rkv = o_lat.shape
     if not 1 <= S <= MAX_SPLITS_V2:
         raise ValueError(f"n_splits={S} outside [1, {MAX_SPLITS_V2}]")
     G, NWC, CPC = _combine2_config(S, M, H, Rkv)
-    k = _combine2_kernel(BT, G, NWC, CPC, km)
+    k = _combine2_kernel(BT, G, NWC, CPC, km, shared)
     k[(Rkv // k.cols, H, M), k.threads, stream](part, np.int64(S), L_dev, o_lat)
 
 
 def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream,
-                      params=None, split_keys: int | None = None, on_tc: bool | None = None, kv_hl=None) -> None:
+                      params=None, split_keys: int | None = None, on_tc: bool | None = None, kv_hl=None,
+                      max_len: int | None = None) -> None:
     """Version 2's attention: on tensor cores (kdt.kernels.attn_tc) where ``on_tc`` (default attn_tc.uses_tc, when
     no other geometry or split-keys floor is asked for), else the FMA kernel of this section. Token counts that the
-    two kernels share by prefix (attn_tc.shares_tc) take the tensor cores from attn_tc.TC_LONG_L keys on: an L on
-    the host picks one, an L on the device (a CUDA graph) launches both, each returning at once outside its
-    prefixes, into the same partials. ``kv_hl`` (None or the pre-split cache uint32 [max_len, Rkv + dr]) goes to
-    the tensor-core kernel; the FMA kernel ignores it."""
+    two kernels share by prefix (attn_tc.shares_tc) take the tensor cores from attn_tc.long_l(M) keys on: an L on
+    the host picks one, an L on the device (a CUDA graph; ``max_len``: the longest prefix it may be) launches both,
+    each returning at once outside its prefixes, into the same partials (the FMA kernel in its own count of them, the
+    combine told which by L).
+    ``kv_hl`` (None or the pre-split cache uint32 [max_len, Rkv + dr]) goes to the tensor-core kernel; the FMA kernel
+    ignores it."""
     from kdt.kernels import attn_tc  # (it builds on this module)
 
     M, H, Rkv = q_abs.shape
@@ -1334,15 +1361,12 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
     both = False  # both kernels, split by the device's L
     if on_tc is None:
         on_tc = params is None and km == 0 and attn_tc.uses_tc(M, H, Rkv, dr)
-        BT = _attn2_geometry(Rkv, dr, *prm[:5])["BT"]
-        if not on_tc and params is None and km == 0 and attn_tc.shares_tc(M, H, Rkv, dr, BT):
-            if isinstance(L, (int, np.integer)):
-                on_tc = int(L) >= attn_tc.TC_LONG_L
+        host_L = isinstance(L, (int, np.integer))
+        if not on_tc and params is None and km == 0 and attn_tc.shares_tc(M, H, Rkv, dr, int(L) if host_L else max_len):
+            if host_L:
+                on_tc = True
             else:
                 both = True
-    if not on_tc:
-        k = _attention2_kernel(Rkv, dr, *prm, KM=km, **(dict(LMAX=attn_tc.TC_LONG_L, KR=attn_tc.BC_DEFAULT)
-                                                        if both else {}))
     if isinstance(L, (int, np.integer)):
         T = int(L) + M
         S = mla_num_splits(int(L), M, H, Rkv, dr, version=2) if n_splits is None else int(n_splits)
@@ -1362,15 +1386,22 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
         part = scratch
     else:
         part = _dummy_part()
+    shared = None  # both: (LMAX, the FMA kernel's splits below it, its key tile)
     if on_tc or both:
         BT = attn_tc.attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, part, S, stream=stream,
-                               kv_hl=kv_hl, LMIN=attn_tc.TC_LONG_L if both else 0)
+                               kv_hl=kv_hl, LMIN=attn_tc.long_l(M) if both else 0)
     if not on_tc:
+        LX = attn_tc.long_l(M) if both else 0
+        sown = min(S, _fma_splits(LX, M, H, Rkv, dr)) if both else 0  # its own splits below LX
+        k = _attention2_kernel(Rkv, dr, *prm, KM=km, LMAX=LX, SOWN=sown)
         k[(cdiv(H, k.geom["R"]), M, S), k.geom["NT"], stream](q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis,
                                                               np.float32(scale), o_lat, part)
-        BT = attn_tc.BC_DEFAULT if both else k.geom["BT"]
+        if both:
+            shared = (LX, k.sown, k.geom["BT"])
+        else:
+            BT = k.geom["BT"]
     if S > 1:
-        _mla_combine_v2(part, S, L_dev, o_lat, BT, stream=stream, km=0 if on_tc else km)
+        _mla_combine_v2(part, S, L_dev, o_lat, BT, stream=stream, km=0 if on_tc else km, shared=shared)
 
 
 # v2 q_absorb ------------------------------------------------------------------------------------------
@@ -1611,12 +1642,12 @@ def _register() -> None:
                          (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1),
                          name=f"mla_attention2[Rkv={rkv},NW={NW},PF={int(PF)}]")
     # below attn_tc's shared prefixes, as the engine's graphs launch it beside the tensor-core kernel (shares_tc)
-    register_ptx(_attention2_kernel(Rkv, dr, 32, 4, 4, 1, _attn2_cg(Rkv, 32, 4), 2, LMAX=1024, KR=16),
+    register_ptx(_attention2_kernel(Rkv, dr, 32, 4, 4, 1, _attn2_cg(Rkv, 32, 4), 2, LMAX=1024, SOWN=4),
                  (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1),
                  name=f"mla_attention2[Rkv={Rkv},NW=4,PF=2,LMAX=1024]")
-    for NWC, CPC in ((16, 1), (4, 4), (4, 16)):
-        register_ptx(_combine2_kernel(8, 32, NWC, CPC), (f32_1, int64, i64_1, f32_3),
-                     name=f"mla_combine2[NWC={NWC},CPC={CPC}]")
+    for NWC, CPC, shared in ((16, 1, None), (4, 4, None), (4, 16, None), (4, 16, (1024, 4, 8))):
+        register_ptx(_combine2_kernel(8 if shared is None else 16, 32, NWC, CPC, shared=shared),
+                     (f32_1, int64, i64_1, f32_3), name=f"mla_combine2[NWC={NWC},CPC={CPC}{',shared' * bool(shared)}]")
 
 
 _register()
