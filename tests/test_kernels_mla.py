@@ -440,10 +440,10 @@ def test_mla_attention_v2_geometries(rng, params):
 
 
 def test_mla_num_splits_v2():
-    """v2 splits: whole waves of the resident blocks per SM (BLOCKS_PER_SM_V2 4-warp blocks' worth: more
-    of fewer warps), >= MIN_KEYS_PER_SPLIT_V2 keys each."""
+    """v2's FMA splits: whole waves of the resident blocks per SM (BLOCKS_PER_SM_V2 4-warp blocks' worth: more
+    of fewer warps), >= MIN_KEYS_PER_SPLIT_V2 keys each (mla_num_splits' where the tensor cores take no part)."""
     for H, M in ((16, 1), (16, 16), (16, 64), (64, 1), (64, 3), (128, 1), (4, 1), (4, 17), (4, 65)):
-        S = mla.mla_num_splits(1 << 20, M, H, version=2)
+        S = mla._fma_splits(1 << 20, M, H, 512, 64)
         prm = mla._attn2_params(H, 512, 64)
         slots = mla._attn2_blocks_per_sm(prm[2]) * mla._num_sms()
         R = mla._attn2_geometry(512, 64, *prm)["R"]
