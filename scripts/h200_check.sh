@@ -1363,8 +1363,8 @@ s34a)  # session 34: the attention shared by prefix on by default (from 64 token
     --quick --tc --M 16,32,64 --L 512,1024,2048,8192 --only "v2 S(max),v2 fma S(max),v2 tc hl S(max)" \
     --json "$OUT/mla-$day-moonlight-shared-own-s34a.json"
   grep -h "attention\|Error\|error" "$OUT/mla_own.log" | cut -c1-110 ;;
-s34b)  # session 34, issue 7: kdt bench on the Moonlight shape with the attention shared by prefix from 64 tokens (the
-  # DDTree rows now say where a decode leaves AR's tokens), alone
+s34b)  # session 34, issue 7: kdt bench on the Moonlight shape with the attention shared by prefix from 16 tokens, by
+  # tiers (the DDTree rows now say where a decode leaves AR's tokens), alone
   step bench_moonlight ${BENCH_TIMEOUT:-480} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s34b.json"
   tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;

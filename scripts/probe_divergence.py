@@ -19,17 +19,12 @@ import json
 import numpy as np
 from numba import cuda
 
+from kdt.bench import leaves_ar_at
 from kdt.config import preset
 from kdt.drafters import OracleDrafter
 from kdt.engine import load_target
 from kdt.kernels import moe
 from kdt.reference.decode import ar_generate, generate
-
-
-def first_diff(a, b) -> int:
-    n = min(len(a), len(b))
-    d = next((i for i in range(n) if a[i] != b[i]), n)
-    return d if d < n or len(a) != len(b) else -1
 
 
 class Recorder:
@@ -131,7 +126,7 @@ def main() -> None:
     kw = dict(budget=a.budget, block_size=a.block_size)
     dd = generate(target, prompt, a.tokens, drafter=OracleDrafter(seq, V), **kw)
     out = dict(preset=a.preset, dtype=a.dtype, tokens=a.tokens, budget=a.budget,
-               graphs=dict(first_diff=first_diff(ar.tokens, dd.tokens), avg_accept=dd.avg_accept))
+               graphs=dict(first_diff=leaves_ar_at(dd.tokens, ar.tokens), avg_accept=dd.avg_accept))
     print("step programs:", out["graphs"], flush=True)
 
     rec = Recorder(target)
@@ -142,13 +137,13 @@ def main() -> None:
                    **kw)
     fd = rec.take()
     cuda.synchronize()
-    d = first_diff(ar2.tokens, dd2.tokens)
+    d = leaves_ar_at(dd2.tokens, ar2.tokens)  # None: none
     res = dict(first_diff=d, avg_accept=dd2.avg_accept, ar_same_as_graphs=ar2.tokens == ar.tokens,
                dd_same_as_graphs=dd2.tokens == dd.tokens)
     ar_rows, dd_rows = rows_by_input(fa, prompt, np.array(ar2.tokens)), rows_by_input(fd, prompt, np.array(ar2.tokens))
-    upto = a.prompt_len + (d if d >= 0 else a.tokens)
+    upto = a.prompt_len + (a.tokens if d is None else d)
     res.update(compare(cfg, ar_rows, dd_rows, rec.bias, upto))
-    if d >= 0:
+    if d is not None:
         la, ld = np.asarray(ar2.logits[d], np.float64), np.asarray(dd2.logits[d], np.float64)
         top = np.sort(la)[::-1]
         p = a.prompt_len + d - 1  # the input row that chose token d
