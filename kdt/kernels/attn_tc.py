@@ -39,7 +39,7 @@ from numba import cuda, float32, int64, uint8, uint32, uint64
 
 from kdt.kernels import tc
 from kdt.kernels.common import IS_SIM, Src, allow_dynamic_shared, cdiv, jit_source, register_ptx
-from kdt.kernels.mla import MAX_SPLITS_V2, _num_sms, _shfl_xor, online_softmax
+from kdt.kernels.mla import MAX_SPLITS_V2, _num_sms, _shfl_xor, _split_keys, online_softmax
 
 NEG_INF = float32(-np.inf)
 # the fewest tokens version 2's attention runs here at any prefix (0: never; env KDT_MLA_ATTN_TC_M), and from how many
@@ -224,8 +224,7 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
             with s.block(f"if L < {LMIN}:"):
                 s("return")
         s("T = L + M")
-        s("kps = (T + S - 1) // S")
-        s(f"kps = (kps + {BC - 1}) // {BC} * {BC}")
+        _split_keys(s, 0, str(BC))  # version 2's rule: its combine reads these splits
         s("t_lo = sp * kps")
         with s.block("if t_lo >= T:"):
             s("return")

@@ -1215,7 +1215,7 @@ def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG:
     if LMAX and SOWN < 1:
         raise ValueError(f"a launch shared by prefix needs the FMA kernel's own splits (SOWN={SOWN})")
     k = jit_source(_attn2_source(PF=PF, KM=KM, LMAX=LMAX, SOWN=SOWN, **g), "mla_attention2", ns, __name__)
-    k.geom, k.sown = g, SOWN
+    k.geom = g
     return k
 
 
@@ -1359,15 +1359,15 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
     km = SPLIT_KEYS if split_keys is None else int(split_keys)
     prm = params or _attn2_params(H, Rkv, dr)
     both = False  # both kernels, split by the device's L
+    host_L = isinstance(L, (int, np.integer))
     if on_tc is None:
         on_tc = params is None and km == 0 and attn_tc.uses_tc(M, H, Rkv, dr)
-        host_L = isinstance(L, (int, np.integer))
         if not on_tc and params is None and km == 0 and attn_tc.shares_tc(M, H, Rkv, dr, int(L) if host_L else max_len):
             if host_L:
                 on_tc = True
             else:
                 both = True
-    if isinstance(L, (int, np.integer)):
+    if host_L:
         T = int(L) + M
         S = mla_num_splits(int(L), M, H, Rkv, dr, version=2) if n_splits is None else int(n_splits)
         S = max(1, min(S, MAX_SPLITS_V2, T))
@@ -1397,7 +1397,7 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
         k[(cdiv(H, k.geom["R"]), M, S), k.geom["NT"], stream](q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis,
                                                               np.float32(scale), o_lat, part)
         if both:
-            shared = (LX, k.sown, k.geom["BT"])
+            shared = (LX, sown, k.geom["BT"])
         else:
             BT = k.geom["BT"]
     if S > 1:
