@@ -48,7 +48,8 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
     """The default launch shape with one of the recent changes undone (name, tiles): kernel A routing all M
     tokens in one block, kernel C's experts per block by M alone (session 10); kernel A's token tiles by M
     alone (session 11); kernels A and B as two launches (session 24); float32 x into the tensor cores, the shared GEMMs
-    over all M tokens a block (session 28)."""
+    over all M tokens a block (session 28); the tensor cores' passes all of tc token tiles, x float32 below 4 (session
+    35's tc_fit)."""
     t = moe.v2_tiles(M, k, E, D)
     r = dataclasses.replace
     old = [("A_one_router", r(t, rt=False))] if M > t.tt_s else []
@@ -58,6 +59,9 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
     if t.tc:  # session 28: x hi / lo from its producers (4 token tiles), the shared GEMMs one pass a block
         old += [("tc_hilo" if not t.tc_hilo else "tc_f32_x", r(t, tc_hilo=not t.tc_hilo)),
                 ("tc_all_tokens", r(t, tc_split=False)), ("tc_s27", r(t, tc_hilo=False, tc_split=False))]
+    s34 = r(t, tc_fit=False, tc_hilo=moe.TC_HILO and t.tc == 4)  # session 35: short passes fitted, x hi / lo
+    if t.tc and s34 != t:
+        old.append(("tc_s34", s34))
     if t.tc:  # session 26: tensor cores at M >= TC_MIN_M; the FMA tiles as before
         saved, moe.TC_MIN_M = moe.TC_MIN_M, 0
         try:
@@ -75,7 +79,12 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
 def sweep_variants(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tiles]]:
     """Version-2 launch shapes tried beside the default with --sweep (name, tiles)."""
     t = moe.v2_tiles(M, k, E, D)
-    return previous_defaults(M, k, E, D) + _other_variants(t, M)
+    seen, out = {t}, []
+    for name, v in previous_defaults(M, k, E, D) + _other_variants(t, M):  # (the first name of a launch shape)
+        if v not in seen:
+            seen.add(v)
+            out.append((name, v))
+    return out
 
 
 def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
@@ -90,18 +99,22 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             # kernel B's routed gate_up with 2 output tiles a warp (alone, with kernel C's down on 4 row tiles, staged)
             ("tc_ot2", r(t, tc_ot=2)), ("tc_ot2_hilo", r(t, tc_ot=2, tc_hilo=True)),
             ("tc_ot2_rows4", r(t, tc_ot=2, tc_rt=4)),
-            ("tc_ot2_st3", r(t, tc_ot=2, tc_hilo=True, tc_st=3))]
+            ("tc_ot2_st3", r(t, tc_ot=2, tc_hilo=True, tc_st=3)),
+            ("tc_nofit" if t.tc_fit else "tc_fit", r(t, tc_fit=not t.tc_fit))]  # short passes on fewer token tiles
+    tcv = r(t, tc=2, jc=1, tc_split=True)  # tensor cores below their first M (bf16; other weights: the FMA tiles)
+    tcs = [("tc2", tcv), ("tc2_fit", r(tcv, tc_fit=True)), ("tc2_fit_hilo", r(tcv, tc_fit=True, tc_hilo=True))
+           ] if 8 <= M < moe.TC_MIN_M else []
     if M <= 1:
         return [("kernel_B_shared_last", r(t, sd_first=False)), ("rows8_words2", r(t, nr=8, u=2, nr_c=8, u_c=2)),
                 ("words2", r(t, u=2, u_c=2)), ("words8", r(t, u=8, u_c=8)), ("C_8warps", r(t, nw_c=8))]
     if M <= 16:
         return [("tt2", r(t, tt=2, tt_c=2)), ("tt2_sd_first", r(t, tt=2, tt_c=2, sd_first=True)),
-                ("sd_first", r(t, sd_first=True)), ("tt8_words2", r(t, tt=8, tt_c=8, u=2, u_c=2, sd_first=True))]
+                ("sd_first", r(t, sd_first=True)), ("tt8_words2", r(t, tt=8, tt_c=8, u=2, u_c=2, sd_first=True))] + tcs
     return [("rows8_tt4", r(t, nr=8, tt=4, tt_s=4, nr_c=8, tt_c=4)), ("C_8experts", r(t, jc=8)),
             ("words1", r(t, u=1, u_c=1, u_l=1)), ("C_2warps", r(t, nw_c=2)),
             # small models (model_code M = 17 / 65): shorter token tiles, more blocks per launch
             ("tt4_words4", r(t, tt=4, tt_s=4, tt_c=4, u=4, u_l=4, u_c=4)), ("A_tiles2", r(t, tt_s=2)),
-            ("tt2_words4", r(t, tt=2, tt_s=2, tt_c=2, u=4, u_l=4, u_c=4))]
+            ("tt2_words4", r(t, tt=2, tt_s=2, tt_c=2, u=4, u_l=4, u_c=4))] + tcs
 
 
 def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> list[dict]:

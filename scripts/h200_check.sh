@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1381,7 +1381,29 @@ s34d)  # session 34: the shared range from 16 tokens (the tensor cores from 4096
   tparts 420 kern tests/test_kernels_mla.py -k "shared_by_prefix or v2_engine_splits or gpu_forced_splits"
   KDT_MLA_ATTN_TC_LONG_L=40 tparts 360 invariant tests/test_engine_cuda.py -k "invariant_200 or graph_replay"
   verify_beside_tparts 250 1 kern invariant ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d"; exit 2 ;;
+s35a)  # session 35: the MoE's tensor-core passes of at most 8 (16) tokens on 1 (2) token tiles (tc_fit; at 65 tokens
+  # most experts' second tile is padding): the Moonlight layer at 16 / 32 / 65 / 128 tokens beside the default,
+  # alone; then the tc_fit gpu tests (bit for bit against the full passes) beside kdt verify (in the run, -k "moonlight_tiles
+  # and fit" matched no test id: none ran; the variants' names are those of bench_moe.py before tc_fit was the default)
+  step moe_fit ${MOE_TIMEOUT:-330} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 16,32,65,128 --sweep \
+    --jobs 12 --only "v2,v2 tc_fit,v2 tc_fit_hilo,v2 tc_fit_f32_x,v2 tc2,v2 tc2_fit,v2 tc2_fit_hilo,v2 tc4_fit_hilo" \
+    --json "$OUT/moe-$day-moonlight-fit-s35a.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_fit.log" | cut -c1-150
+  tparts 200 fit tests/test_kernels_moe.py -k "moonlight_tiles and fit0"
+  verify_beside_tparts 200 1 fit ;;
+s35b)  # session 35, issue 7: kdt bench on the Moonlight shape with the MoE's short tensor-core passes fitted, x hi / lo,
+  # and the tensor cores from 16 tokens, alone
+  step bench_moonlight ${BENCH_TIMEOUT:-480} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s35b.json"
+  tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
+s35c)  # session 35: the MoE's gpu tests at Moonlight's shape with the new defaults (16 / 64 / 128 tokens on tensor
+  # cores, fitted, hi / lo; session 34's full passes bit for bit against the fitted ones), the attention tests session
+  # 34 left unrun, beside the engine's invariant, graph replay and kdt verify
+  tparts 330 moe tests/test_kernels_moe.py -k "tiles and fit0 or 16-bf16-2 or 64-bf16-2 or 128-bf16-2"
+  tparts 330 mla tests/test_kernels_mla.py -k "attention_tc_gpu or v2_engine_splits or 2-16-8192-256"
+  tparts 330 invariant tests/test_engine_cuda.py -k "invariant_200 or graph_replay"
+  verify_beside_tparts 250 1 moe mla invariant ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -542,6 +542,9 @@ V2_SIM_TILES.update(tc_st2=replace(V2_SIM_TILES["tc_hilo"], tc_st=2),
 V2_SIM_TILES.update(tc_ot2=replace(V2_SIM_TILES["tc"], tc_ot=2),
                     tc2_ot2_kw1_hilo=replace(V2_SIM_TILES["tc2"], tc_ot=2, tc_kw=1, tc_hilo=True),
                     tc_ot2_st2=replace(V2_SIM_TILES["tc_hilo"], tc_ot=2, tc_st=2))
+# ... with a short pass on fewer token tiles (tc_fit): 2 tiles a pass, and 4 with the shared GEMMs one pass a block
+V2_SIM_TILES.update(tc2_fit=replace(V2_SIM_TILES["tc2"], tc_fit=True),
+                    tc4_split_fit=replace(V2_SIM_TILES["tc_split"], tc=4, tc_rt=2, tc_fit=True))
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
 _V2_SKEW = dict(n_routed_experts=7, num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
@@ -612,6 +615,33 @@ def test_moe_forward_v2(rng, overrides, dtype, M, accumulate, skew, tiles):
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("M,k,tiles", [(11, 3, "tc2_fit"), (41, 2, "tc4_split_fit")])
+def test_moe_forward_fit_same_bits(rng, M, k, tiles):
+    """tc_fit: kernel B's and C's passes of at most 8 (16) tokens on 1 (2) token tiles give the bits of the full
+    passes (a token column's sums are its own), and the layer against float64. Every token takes expert 0 (its
+    bias), so passes of each size run: 2 tiles, M = 11: expert 0's 11 tokens on both tiles, the other k - 1 picks
+    of a token over 6 experts leave one with <= 8 (on one); 4 tiles, M = 41: expert 0 and the shared GEMMs in a
+    pass of 32 (4 tiles) and one of 9 (2), the other pick of a token over 6 experts leaves one with <= 6 (1)."""
+    cfg = _cfg(**dict(_V2_SKEW, hidden_size=36, num_experts_per_tok=k))
+    w = _layer_weights(rng, cfg)
+    w[PREFIX + "gate.e_score_correction_bias"][0] += 3.0
+    b = _draw_b(rng, cfg, w, M)
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
+    fit = V2_SIM_TILES[tiles]
+    scratch = moe.MoEScratch.allocate(cfg, M)
+    names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, fit)]
+    assert "_fit" in names[1] and "_fit" in names[2], names
+    outs = []
+    for t in (fit, replace(fit, tc_fit=False)):
+        got, scratch = _run_forward(cfg, w, b, BF16, M_max=M, accumulate=False, tiles=t, layer=layer, version=2)
+        outs.append(got)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert rel_err(outs[0], MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))) < BF16_BOUND
+    counts = scratch.counts.copy_to_host()
+    assert counts[0] == M and 0 < counts[counts > 0].min() <= 8, counts
+
+
+@pytest.mark.kernels
 def test_moe_forward_ab_reruns(rng):
     """Kernel AB (kernels A and B in one launch, the default at M = 1) three times on one scratch with new
     tokens each time, each against the float64 layer and bit-identical to kernels A and B apart: the launch
@@ -674,17 +704,21 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
         t = moe.v2_tiles(M, 2, 8, 256)
         by_m = moe._v2_tiles_by_m(M, 2)
         assert (t.tt_s, t.cs_s) == ((2, False) if 2 < M <= 32 else (by_m.tt_s, by_m.cs_s)), M
-    # tensor cores from 32 tokens (the default) and 3 tokens an expert (Moonlight: 64 experts, top-6, from 32;
-    # Kimi-K2: 384 experts, top-8, from 144), off with KDT_MOE_TC_M=0; 2 token tiles a pass to 96 tokens, then 4
-    for name, tc_min, first in (("moonlight-16b-a3b", 32, 32), ("kimi-k2", 32, 144), ("moonlight-16b-a3b", 0, None)):
+    # tensor cores from 16 tokens (the default) and 1.5 tokens an expert (Moonlight: 64 experts, top-6, from 16;
+    # Kimi-K2: 384 experts, top-8, from 72), off with KDT_MOE_TC_M=0; 2 token tiles a pass to 96 tokens, then 4;
+    # x hi / lo and short passes fitted (tc_fit), or with KDT_MOE_TC_FIT=0 session 34's: hi / lo at 4 tiles only
+    cases = (("moonlight-16b-a3b", 16, 16, True), ("kimi-k2", 16, 72, True), ("moonlight-16b-a3b", 0, None, True),
+             ("moonlight-16b-a3b", 32, 32, False))
+    for name, tc_min, first, fit in cases:
         monkeypatch.setattr(moe, "TC_MIN_M", tc_min)
+        monkeypatch.setattr(moe, "TC_FIT", fit)
         c = preset(name)
-        for M in (1, 8, 16, 17, 31, 32, 64, 96, 97, 143, 144, 256):
+        for M in (1, 8, 15, 16, 17, 31, 32, 64, 71, 72, 96, 97, 143, 144, 256):
             k = c.num_experts_per_tok
             want = replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M)
             if first is not None and M >= first:  # tensor cores, kernel C one expert a block
-                want = replace(want, tc=2 if M <= 96 else 4, jc=1, tc_hilo=moe.TC_HILO and M > 96,
-                               tc_split=moe.TC_SPLIT)
+                want = replace(want, tc=2 if M <= 96 else 4, jc=1, tc_hilo=moe.TC_HILO and (fit or M > 96),
+                               tc_split=moe.TC_SPLIT, tc_fit=fit)
             assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == want, (name, M)
             assert moe.v2_tiles(M, 2, 8, 256).tc == 0  # small models (model_code): the FMA tiles
 
@@ -765,24 +799,34 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,tiles", [
     (32, dict(tc_hilo=True, tc_st=3)), (65, dict(tc_hilo=True, tc_st=4)), (65, dict(tc_hilo=True, tc_st=5)),
-    (65, dict(tc_ot=2)), (65, dict(tc_ot=2, tc_rt=4)), (32, dict(tc_ot=2, tc_hilo=True, tc_st=3))])
+    (65, dict(tc_ot=2)), (65, dict(tc_ot=2, tc_rt=4)), (32, dict(tc_ot=2, tc_hilo=True, tc_st=3)),
+    (65, dict(tc_fit=False)), (128, dict(tc_fit=False)), (32, dict(tc_fit=False, tc_hilo=False))],
+    ids=lambda p: "-".join(f"{k}{int(v)}" for k, v in p.items()) if isinstance(p, dict) else str(p))
 def test_moe_forward_moonlight_tiles(rng, moonlight, M, tiles):
     """Version 2 at Moonlight's shape, bf16, in tensor-core tiles the default does not take, against float64: the
     routed GEMMs' loads staged through shared memory (tc_st, hi / lo x), kernel B's routed gate_up on 2 output tiles
-    a warp (tc_ot; with kernel C's down on 4 row tiles; staged)."""
+    a warp (tc_ot; with kernel C's down on 4 row tiles; staged), session 34's full passes (tc_fit off; the default's
+    bits, short passes fitted, are then checked against them) with x as it had it (float32 at 2 token tiles)."""
     cfg, w, _ = moonlight
     layer, ref, scratch = _moonlight_layer(moonlight, BF16)
     t = replace(moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size), **tiles)
     names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, t)]
     assert not t.tc_st or f"_st{t.tc_st}" in names[1] and f"_st{t.tc_st}" in names[2], names  # (kernels B and C)
     assert t.tc_ot == 1 or f"_ot{t.tc_ot}" in names[1], names
+    assert t.tc_fit == ("_fit" in names[1]) == ("_fit" in names[2]), names
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))
     moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, version=2, tiles=t)
-    err = rel_err(out.copy_to_host(), ref(b.astype(np.float64)))
+    got = out.copy_to_host()
+    err = rel_err(got, ref(b.astype(np.float64)))
     print(f"moonlight {tiles} M={M}: rel_err {err:.2e}")
     assert err < BF16_BOUND
     _check_v2_state(cfg, b, w, scratch, M)
+    fit = replace(t, tc_fit=True)
+    if not t.tc_fit and not t.tc_st and fit.hilo() == t.hilo():  # short passes fitted: the same bits
+        out = cuda.to_device(poisoned((M, cfg.hidden_size)))
+        moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, version=2, tiles=fit)
+        np.testing.assert_array_equal(out.copy_to_host(), got)
 
 
 @pytest.mark.kernels

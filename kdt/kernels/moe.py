@@ -1288,11 +1288,14 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
 # their bytes (~1.1 GB a layer at M = 64: ~260 us at the copy bandwidth).
 # Measured on the H200 (s27a, `KDT_MOE_TC_M=16 scripts/bench_moe.py --presets moonlight-16b-a3b --M 16,64,256
 # --sweep`, the Moonlight layer in us, FMA tiles / tensor cores with 1, 2, 4 token tiles a pass): M = 16: 399 / 448,
-# 408, 591; M = 64: 1144 / 966, 643, 891; M = 256: 3563 / 3073, 1939, 1776. So they run from TC_MIN_M = 32 tokens
-# (env KDT_MOE_TC_M; 0: never) where the tokens also give the experts TC_MIN_LOAD tokens each on average (Moonlight:
-# from 32; Kimi-K2's 384 experts: from 144), with :func:`_tc_tiles` token tiles a pass.
-TC_MIN_M = int(os.environ.get("KDT_MOE_TC_M", "32"))  # tensor cores at M >= this (0: never)
-TC_MIN_LOAD = 3  # ... and M top_k >= TC_MIN_LOAD E (at M = 16, 1.5 tokens an expert, the FMA tiles won)
+# 408, 591; M = 64: 1144 / 966, 643, 891; M = 256: 3563 / 3073, 1939, 1776. So they ran from 32 tokens where the
+# tokens also gave the experts 3 tokens each on average. With a short pass on fewer token tiles and x hi / lo
+# (``V2Tiles.tc_fit``, session 35's s35a) M = 16 takes 321.7 us on 2 tiles against the FMA tiles' 399.3: now from
+# TC_MIN_M = 16 tokens (env KDT_MOE_TC_M; 0: never) where the experts get TC_MIN_LOAD = 1.5 tokens each on average
+# (Moonlight: from 16, DeepSeek-V3's 256 experts of 8 from 48, Kimi-K2's 384 from 72; only Moonlight's measured),
+# with :func:`_tc_tiles` token tiles a pass.
+TC_MIN_M = int(os.environ.get("KDT_MOE_TC_M", "16"))  # tensor cores at M >= this (0: never)
+TC_MIN_LOAD = 1.5  # ... and M top_k >= TC_MIN_LOAD E
 TC_ROWS = tc.MMA_ROWS
 # The tensor cores' GEMM inputs (b_perm, h, h_shared) written by their producers already split into bf16 hi and lo
 # (``V2Tiles.tc_hilo``, kdt.kernels.tc.XL_HILO; kernel A's shared gate_up still splits its float32 b): the warp tile
@@ -1307,6 +1310,12 @@ TC_ROWS = tc.MMA_ROWS
 # the shared GEMMs over all M tokens a block.
 TC_HILO = os.environ.get("KDT_MOE_TC_HILO", "1") != "0"
 TC_SPLIT = os.environ.get("KDT_MOE_TC_SPLIT", "1") != "0"
+# Short passes on fewer token tiles (``V2Tiles.tc_fit``), with x hi / lo at any token tiles a pass. Measured (H200,
+# s35a, `scripts/bench_moe.py --presets moonlight-16b-a3b --M 16,32,65,128 --sweep`, the Moonlight layer in us;
+# session 34's default: float32 x at 2 tiles, hi / lo at 4 / fit / fit, hi / lo): M = 32 486.1 / 481.3 / **460.8**;
+# M = 65 575.1 / 560.8 / **537.3**; M = 128 (hi / lo) 709.2 / **696.7**; at M = 16 the FMA tiles 399.3, tensor
+# cores on 2 tiles 409.0 / 334.7 / **321.7**. Env KDT_MOE_TC_FIT=0: session 34's tiles.
+TC_FIT = os.environ.get("KDT_MOE_TC_FIT", "1") != "0"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1321,32 +1330,82 @@ def _tc_shared_block(sb, n, rows, M, split, pass_tokens):
     return (sb % nob) * rows, p0, min(M, p0 + pass_tokens)
 
 
+def _tc_passes(pass_fn, nt: int, fit: bool):
+    """Device function ``run(p0, a0, W, e, X, end, rowsel, y, rows, xrows, acc, sm, frag, warp, lane, n, kwh)``: the
+    pass of the tokens [p0, min(end, p0 + 8 nt)) by ``pass_fn(ntp)``, a device function of the same arguments on ntp
+    token tiles: ntp = nt, or with ``fit`` the fewest of 1, 2 that hold the pass's tokens (:func:`_tc_gate_up`,
+    :func:`_tc_down`)."""
+    pass_n = pass_fn(nt)
+    FIT1, FIT2 = fit and nt > 1, fit and nt > 2
+    pass_1 = pass_fn(1) if FIT1 else pass_n  # (unused ones: pass_n, never called)
+    pass_2 = pass_fn(2) if FIT2 else pass_n
+
+    def run(p0, a0, W, e, X, end, rowsel, y, rows, xrows, acc, sm, frag, warp, lane, n, kwh):
+        if FIT1 and end - p0 <= 8:
+            pass_1(p0, a0, W, e, X, end, rowsel, y, rows, xrows, acc, sm, frag, warp, lane, n, kwh)
+        elif FIT2 and end - p0 <= 16:
+            pass_2(p0, a0, W, e, X, end, rowsel, y, rows, xrows, acc, sm, frag, warp, lane, n, kwh)
+        else:
+            pass_n(p0, a0, W, e, X, end, rowsel, y, rows, xrows, acc, sm, frag, warp, lane, n, kwh)
+
+    return _device(run)
+
+
 def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo: bool = False, kw: int = 0,
-                st: int = 0, ot: int = 1):
+                st: int = 0, ot: int = 1, fit: bool = False):
     """Device function ``gate_up(o0, W, e, X, start, end, rowsel, h)``: on tensor cores, for the tokens p in
     [start, end) (X row ``rowsel[p]`` with ``gather``, else p; X in layout ``xl``, kdt.kernels.tc), outputs [o0,
     o0 + 16 ot nw / kw) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted (``hilo``: h is the uint16
     view of the hi / lo layout); nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 ot outputs
     (ot output tiles a warp: its row tiles the ot gate tiles, then the ot matching up tiles, all on each x fragment
     it loads), the kw warps of a group splitting the input dimension (kw = 0: one group of nw); st >= 2: the loads
-    staged through shared memory, st stages of one group (kdt.kernels.tc.warp_mm_staged). Every thread of the block
+    staged through shared memory, st stages of one group (kdt.kernels.tc.warp_mm_staged); ``fit`` (not staged): a
+    pass of at most 8 (16) tokens takes 1 (2) token tiles, not nt (``V2Tiles.tc_fit``). Every thread of the block
     calls it (barriers)."""
     kw, KW, NRG = _row_groups(nw, kw)
-    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw, st, ot)
+    fit = fit and not st
+    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw, st, ot, fit)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, OT, GATHER, HILO = nw, nt, ot, gather, hilo
-    NA, NP, NG, NR, GR = 2 * ot * nt * 4, ot * nt * 4, 2 * ot, 4 * ot, TC_ROWS * ot  # NP gate (up) accumulators a
-    # lane; NG gate rows a lane (rows g and g + 8 of each gate tile), NR its rows; GR outputs a row group
+    NA, NG, NR, GR = 2 * ot * nt * 4, 2 * ot, 4 * ot, TC_ROWS * ot  # accumulators a lane (for nt tiles); NG gate
+    # rows a lane (rows g and g + 8 of each gate tile), NR its rows; GR outputs a row group
     us = 1 if st else u  # (staged: one group a stage)
     FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, 2 * ot, nt, st, us), tc.sm_dtype(st)
-    bmm = tc.block_mm(2 * ot, nt, us, xl, cs, nw, kw, st)
     total = tc.block_total_fn(st)
+
+    def pass_fn(ntp: int):  # one pass of ntp <= nt token tiles (acc, sm and xrows sized for nt)
+        NTP, NP = ntp, ot * ntp * 4  # NP gate (up) accumulators a lane
+        bmm = tc.block_mm(2 * ot, ntp, us, xl, cs, nw, kw, st)
+
+        def one_pass(p0, o0, W, e, X, end, rowsel, h, rows, xrows, acc, sm, frag, warp, lane, I, Kwh):
+            g, t = lane // 4, lane % 4
+            for jt in range(NTP):
+                p = min(p0 + 8 * jt + g, end - 1)
+                xrows[jt] = rowsel[p] if GATHER else p
+            bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
+            for ix in range(warp, NP * NRG, NW):  # (gate: row tile 0; up: row tile 1, the same position)
+                q, i = (0, ix) if NRG == 1 else (ix // NP, ix % NP)  # row group q, its accumulator i
+                gs = total(sm, i, lane, q * KW, KW)
+                ups = total(sm, NP + i, lane, q * KW, KW)
+                p = p0 + tc.acc_col(i, NTP, t)
+                o = o0 + q * GR + tc.acc_row(i, NTP, g)
+                if p < end and o < I:
+                    v = gs / (float32(1.0) + math.exp(-gs)) * ups
+                    if HILO:
+                        _put_hilo(h, p, o, v)
+                    else:
+                        h[p, (o % 4) * Kwh + o // 4] = v
+            cuda.syncthreads()
+
+        return _device(one_pass)
+
+    run = _tc_passes(pass_fn, nt, fit)
 
     def gate_up(o0, W, e, X, start, end, rowsel, h):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
-        g, t = lane // 4, lane % 4
+        g = lane // 4
         sm = cuda.shared.array(SM, SMT)
         frag = cuda.shared.array(FRAG, int64)
         acc = cuda.local.array(NA, float32)
@@ -1359,49 +1418,54 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
         for i in range(NG):
             rows[NG + i] = rows[i] + I
         for p0 in range(start, end, 8 * NT):
-            for jt in range(NT):
-                p = min(p0 + 8 * jt + g, end - 1)
-                xrows[jt] = rowsel[p] if GATHER else p
-            bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
-            for ix in range(warp, NP * NRG, NW):  # (gate: row tile 0; up: row tile 1, the same position)
-                q, i = (0, ix) if NRG == 1 else (ix // NP, ix % NP)  # row group q, its accumulator i
-                gs = total(sm, i, lane, q * KW, KW)
-                us = total(sm, NP + i, lane, q * KW, KW)
-                p = p0 + tc.acc_col(i, NT, t)
-                o = o0 + q * GR + tc.acc_row(i, NT, g)
-                if p < end and o < I:
-                    v = gs / (float32(1.0) + math.exp(-gs)) * us
-                    if HILO:
-                        _put_hilo(h, p, o, v)
-                    else:
-                        h[p, (o % 4) * Kwh + o // 4] = v
-            cuda.syncthreads()
+            run(p0, o0, W, e, X, end, rowsel, h, rows, xrows, acc, sm, frag, warp, lane, I, Kwh)
 
     gate_up = _device(gate_up)
     _V2_CACHE[key] = gate_up
     return gate_up
 
 
-def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, st: int = 0):
+def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, st: int = 0, fit: bool = False):
     """Device function ``down(d0, W, e, X, start, end, y)``: on tensor cores, y[p, d] = sum_i W[e, d, i] X[p, i]
     for the rows d in [d0, d0 + 16 rt nw / kw) of D = W.shape[1] and the tokens p in [start, end) (X in layout
     ``xl``, kdt.kernels.tc), nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 rt rows, the kw
-    warps of a group splitting I (kw = 0: one group of nw); st >= 2: the loads staged, as :func:`_tc_gate_up`.
-    Every thread of the block calls it (barriers)."""
+    warps of a group splitting I (kw = 0: one group of nw); st >= 2: the loads staged, ``fit`` a short pass on fewer
+    token tiles, as :func:`_tc_gate_up`. Every thread of the block calls it (barriers)."""
     kw, KW, NRG = _row_groups(nw, kw)
-    key = ("down tc", nw, rt, nt, u, cs, xl, kw, st)
+    fit = fit and not st
+    key = ("down tc", nw, rt, nt, u, cs, xl, kw, st, fit)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, RT, NT, NA, NB = nw, rt, nt, rt * nt * 4, 2 * rt
     us = 1 if st else u  # (staged: one group a stage)
     FRAG, SM, SMT = tc.frag_shape(nw), tc.sm_shape(nw, rt, nt, st, us), tc.sm_dtype(st)
-    bmm = tc.block_mm(rt, nt, us, xl, cs, nw, kw, st)
     total = tc.block_total_fn(st)
+
+    def pass_fn(ntp: int):  # one pass of ntp <= nt token tiles (acc, sm and xrows sized for nt)
+        NTP, NAP = ntp, rt * ntp * 4
+        bmm = tc.block_mm(rt, ntp, us, xl, cs, nw, kw, st)
+
+        def one_pass(p0, d0, W, e, X, end, rowsel, y, rows, xrows, acc, sm, frag, warp, lane, D, kwh):
+            g, t = lane // 4, lane % 4
+            for jt in range(NTP):
+                xrows[jt] = min(p0 + 8 * jt + g, end - 1)
+            bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
+            for ix in range(warp, NAP * NRG, NW):
+                q, i = (0, ix) if NRG == 1 else (ix // NAP, ix % NAP)  # row group q, its accumulator i
+                p = p0 + tc.acc_col(i, NTP, t)
+                d = d0 + q * TC_ROWS * RT + tc.acc_row(i, NTP, g)
+                if p < end and d < D:
+                    y[p, d] = total(sm, i, lane, q * KW, KW)
+            cuda.syncthreads()
+
+        return _device(one_pass)
+
+    run = _tc_passes(pass_fn, nt, fit)
 
     def down(d0, W, e, X, start, end, y):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
-        g, t = lane // 4, lane % 4
+        g = lane // 4
         sm = cuda.shared.array(SM, SMT)
         frag = cuda.shared.array(FRAG, int64)
         acc = cuda.local.array(NA, float32)
@@ -1412,17 +1476,8 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, 
             tc.tile_rows(rows, d0, D, g, RT)
         else:  # this warp's row group's 16 rt rows
             tc.tile_rows(rows, d0 + (warp // KW) * TC_ROWS * RT, D, g, RT)
-        for p0 in range(start, end, 8 * NT):
-            for jt in range(NT):
-                xrows[jt] = min(p0 + 8 * jt + g, end - 1)
-            bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)
-            for ix in range(warp, NA * NRG, NW):
-                q, i = (0, ix) if NRG == 1 else (ix // NA, ix % NA)  # row group q, its accumulator i
-                p = p0 + tc.acc_col(i, NT, t)
-                d = d0 + q * TC_ROWS * RT + tc.acc_row(i, NT, g)
-                if p < end and d < D:
-                    y[p, d] = total(sm, i, lane, q * KW, KW)
-            cuda.syncthreads()
+        for p0 in range(start, end, 8 * NT):  # (no row selection: xrows passes for it, and no word count)
+            run(p0, d0, W, e, X, end, xrows, y, rows, xrows, acc, sm, frag, warp, lane, D, 0)
 
     down = _device(down)
     _V2_CACHE[key] = down
@@ -1435,21 +1490,21 @@ def gate_up_rows(nw: int, kw: int, ot: int) -> int:
 
 
 def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool, split: bool = False,
-                     hilo: bool = False, kw: int = 0, st: int = 0, ot: int = 1):
+                     hilo: bool = False, kw: int = 0, st: int = 0, ot: int = 1, fit: bool = False):
     """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
     ntg, outputs [G x, G x + G) of I, x = rb % ntg, G = 16 ot nw / kw (``_tc_gate_up``'s row groups of ot output
     tiles; kw = 0: G = 16 ot); all the expert's tokens) and cdiv(D, 16 rt) shared-down blocks (rows [16 rt sb, 16 rt
     (sb + 1)) of D, all M tokens; with ``split`` cdiv(M, 8 nt) times as many blocks, one pass of 8 nt tokens each),
     after the routed ones or, with ``sd_first``, before them. ``hilo``: b_perm, h and h_shared in the hi / lo layout
     (b_perm and h_shared read as uint64, h written as uint16). st: the routed gate_up's loads staged
-    (``_tc_gate_up``)."""
-    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw, st, ot)
+    (``_tc_gate_up``); fit: short passes on fewer token tiles (the routed gate_up and the shared down)."""
+    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw, st, ot, fit)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     SDF, RS, SPLIT, PASS, G = sd_first, TC_ROWS * rt, split, 8 * nt, gate_up_rows(nw, kw, ot)
     xl = XL_HILO if hilo else XL_PERM
-    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw, st, ot)
-    down = _tc_down(nw, rt, nt, u, cs_s, xl)
+    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw, st, ot, fit)
+    down = _tc_down(nw, rt, nt, u, cs_s, xl, fit=fit)
 
     def body(bid, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg,
              J, nb, sync):
@@ -1472,14 +1527,15 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
 
 def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
                        sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False,
-                       hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_ot: int = 1):
+                       hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_ot: int = 1, tc_fit: bool = False):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st, tc_ot)
+    tc_fit = bool(tc) and tc_fit and not tc_st
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if tc:
-        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw, tc_st, tc_ot)
+        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit)
     else:
         body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
@@ -1491,7 +1547,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
     kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
                      f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
                      f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
-                     f"{f'_st{tc_st}' if tc_st else ''}{f'_ot{tc_ot}' if tc_ot != 1 else ''}")
+                     f"{f'_st{tc_st}' if tc_st else ''}{f'_ot{tc_ot}' if tc_ot != 1 else ''}{'_fit' if tc_fit else ''}")
     # 2 output tiles a warp: ptxas takes 130 registers (3 blocks an SM), at 128 (4 blocks) it spills 12 bytes
     k = cuda.jit(kern, max_registers=128) if tc and tc_ot > 1 and not IS_SIM else cuda.jit(kern)
     _V2_CACHE[key] = k
@@ -1624,7 +1680,7 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
 
 
 def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: int = 0, tc_rt: int = 2,
-                    hilo: bool = False, tc_kw: int = 0, tc_st: int = 0):
+                    hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_fit: bool = False):
     """Kernel C. Block b = x * n_chunks + c: rows [x*R, x*R + R) of D (R = nw * nr, nr per warp) for
     the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
     expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
@@ -1633,14 +1689,15 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
     the same value into tee[m, d] (tee[>= M, D] f32; untouched without has_tee). ``tc`` (bf16 weights): the
     routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt nw / tc_kw rows a
     block (its row groups; tc_kw = 0: 16 tc_rt); with ``hilo`` h is the uint64 view of the hi / lo layout; tc_st:
-    the routed down's loads staged (:func:`_tc_down`)."""
+    the routed down's loads staged, tc_fit: its short passes on fewer token tiles (:func:`_tc_down`)."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st)
+    tc_fit = bool(tc) and tc_fit and not tc_st
+    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st, tc_fit)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, EPW, NR, TT, TC = nw, nw * WARP, epw, nr, tt, tc
     R = TC_ROWS * tc_rt * _row_groups(nw, tc_kw)[2] if tc else nw * nr
-    down_tc = (_tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw, tc_st)  # rows [x R, x R + R)
+    down_tc = (_tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw, tc_st, tc_fit)  # rows [x R, x R + R)
                if tc else None)
     RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
     WB, NACC = u * NR, NR * TT
@@ -1717,7 +1774,7 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
 
     kern.__name__ = (f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}"
                      f"{f'_tc{tc}r{tc_rt}' if tc else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
-                     f"{f'_st{tc_st}' if tc_st else ''}")
+                     f"{f'_st{tc_st}' if tc_st else ''}{'_fit' if tc_fit else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1743,21 +1800,25 @@ class V2Tiles:
     all M tokens (at M = 64, 4x the blocks: s27c's Nsight Compute had kernel A at 96 us with 432 blocks, ~7
     warps an SM, for ~6 us of bytes); tc_hilo: the tensor cores' GEMM inputs written in the hi / lo layout by their
     producers (kdt.kernels.tc.XL_HILO: kernel A writes b_perm and h_shared, B h), so the warp tile loads x fragments
-    instead of splitting float32. v2_tiles sets tc_split with tc, tc_hilo with 4 token tiles a pass (``TC_HILO``);
-    tc_kw: the routed GEMMs on tensor cores (kernel B's gate_up, C's down) with their block's warps in row groups of
-    tc_kw warps splitting K, each group its own 16 (C: 16 tc_rt) rows (0: one group, all warps splitting K; it must
-    divide nw and nw_c). Each warp then streams nw / tc_kw times as much of K, and the block reduces over fewer warps
-    (session 29; off: the Moonlight layer at 65 / 256 tokens 573 / 1021 us, tc_kw = 2 606 / 1166, tc_kw = 1 781 /
-    1382, session 30's s30a); tc_st: those routed GEMMs' loads staged through shared memory by cp.async, tc_st stages
-    of one 4-word group a warp (kdt.kernels.tc.warp_mm_staged; 0: off). It needs their x hi / lo (tc_hilo) and K a
-    multiple of 8 (D and I), else it is dropped. Off: s27c's Nsight Compute had kernels B and C half their time
-    waiting on loads, but at 65 tokens 2-5 stages (1-4 ahead) ran 602-677 us against 597 for the same hi / lo kernels
-    unstaged and 575 for the default (session 30's s30b / s30c; that version issue-bound on its per-copy index
-    arithmetic); its copies at precomputed offsets, 3 / 4 / 5 stages 581.5 / 563.8 / 577.2 us against 597.9 unstaged
-    and 575.0 for the default (session 31's s31a): a warp's load depth alone does not help much. tc_ot: the routed
-    gate_up's output tiles of 16 a warp (each a gate and an up row tile of 16, all on every x fragment the warp
-    loads: 1 / ot the x loads, from L2, a weight byte; ``gate_up_rows``). Off: at 65 tokens 697.8 us (hi / lo x
-    664.9) against 574.4 for the default, at 128 859.6 against 710.8 (session 31's s31b)."""
+    instead of splitting float32. v2_tiles sets tc_split, tc_hilo and tc_fit with tc (``TC_SPLIT``, ``TC_HILO``,
+    ``TC_FIT``); tc_kw: the routed GEMMs on tensor cores (kernel B's gate_up, C's down) with their block's warps in row
+    groups of tc_kw warps splitting K, each group its own 16 (C: 16 tc_rt) rows (0: one group, all warps splitting K;
+    it must divide nw and nw_c). Each warp then streams nw / tc_kw times as much of K, and the block reduces over fewer
+    warps (session 29; off: the Moonlight layer at 65 / 256 tokens 573 / 1021 us, tc_kw = 2 606 / 1166, tc_kw = 1 781 /
+    1382, session 30's s30a); tc_st: those routed GEMMs' loads staged through shared memory by cp.async, tc_st stages of
+    one 4-word group a warp (kdt.kernels.tc.warp_mm_staged; 0: off). It needs their x hi / lo (tc_hilo) and K a multiple
+    of 8 (D and I), else it is dropped. Off: s27c's Nsight Compute had kernels B and C half their time waiting on loads,
+    but at 65 tokens 2-5 stages (1-4 ahead) ran 602-677 us against 597 for the same hi / lo kernels unstaged and 575 for
+    the default (session 30's s30b / s30c; that version issue-bound on its per-copy index arithmetic); its copies at
+    precomputed offsets, 3 / 4 / 5 stages 581.5 / 563.8 / 577.2 us against 597.9 unstaged and 575.0 for the default
+    (session 31's s31a): a warp's load depth alone does not help much. tc_ot: the routed gate_up's output tiles of 16 a
+    warp (each a gate and an up row tile of 16, all on every x fragment the warp loads: 1 / ot the x loads, from L2, a
+    weight byte; ``gate_up_rows``). Off: at 65 tokens 697.8 us (hi / lo x 664.9) against 574.4 for the default, at 128
+    859.6 against 710.8 (session 31's s31b). tc_fit: a pass of kernel B's (routed gate_up, shared down) or C's (routed
+    down) GEMMs with at most 8 (16) tokens takes 1 (2) token tiles instead of tc: at 65 tokens (tc = 2, ~6 tokens an
+    expert) most passes' second tile is padding, its mma and x loads spent for nothing. The sums are the same bits (a
+    token column's are its own). Not staged (tc_st). On with tc (``TC_FIT``: its comment has session 35's times).
+    """
 
     nw: int = 4
     nr: int = 4
@@ -1783,6 +1844,7 @@ class V2Tiles:
     tc_kw: int = 0
     tc_st: int = 0
     tc_ot: int = 1
+    tc_fit: bool = False
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -1819,7 +1881,7 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     t = replace(_v2_tiles_by_m(M, top_k), ab=M <= AB_MAX_M)
     if uses_tc(M, top_k, E, D) and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
         tiles = _tc_tiles(M)  # jc = 1: a block of kernel C is one expert's pass
-        t = replace(t, tc=tiles, jc=1, tc_hilo=TC_HILO and tiles == 4, tc_split=TC_SPLIT)
+        t = replace(t, tc=tiles, jc=1, tc_hilo=TC_HILO and (TC_FIT or tiles == 4), tc_split=TC_SPLIT, tc_fit=TC_FIT)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
@@ -1884,8 +1946,8 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     split, hilo, kw, st = bool(tcn) and t.tc_split, t.hilo(epw), t.tc_kw if tcn else 0, t.tc_st if tcn else 0
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
-                               kw, st, t.tc_ot if tcn else 1),
-            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st))
+                               kw, st, t.tc_ot if tcn else 1, t.tc_fit),
+            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, t.tc_fit))
 
 
 def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
@@ -2460,10 +2522,11 @@ def _register() -> None:
     shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64, 256)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
               + [replace(_v2_tiles_by_m(M, 8), ab=M <= AB_MAX_M) for M in (64, 256)]  # FMA tiles (KDT_MOE_TC_M=0)
               + [replace(v2_tiles(64, 8), tc_split=False)]  # the shared GEMMs over all M tokens a block
-              + [replace(v2_tiles(64, 8), tc_hilo=True), replace(v2_tiles(256, 8), tc_hilo=False)]  # x the other way
+              + [replace(v2_tiles(M, 8), tc_hilo=False) for M in (64, 256)]  # x float32
               + [replace(v2_tiles(M, 8), tc_kw=kw) for M in (64, 256) for kw in (1, 2)]  # row groups (tc_kw)
               + [replace(v2_tiles(64, 8), tc_hilo=True, tc_st=st) for st in (2, 4)]  # staged loads (tc_st)
               + [replace(v2_tiles(64, 8), tc_ot=2), replace(v2_tiles(64, 8), tc_ot=2, tc_hilo=True, tc_st=3)]  # tc_ot
+              + [replace(v2_tiles(M, 8), tc_fit=False) for M in (64, 256)]  # every pass on all tiles (session 34's)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
