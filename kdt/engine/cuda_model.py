@@ -348,7 +348,7 @@ class DecoderStack:
                                         b.q_abs[:M], b.q_pe[:M], stream=s, kv_hl=kv_hl)
             mla.mla_attention(b.q_abs[:M], b.q_pe[:M], self.c_kv[i], self.k_pe[i], b.L, vis, cfg.softmax_scale,
                               b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s, kv_hl=kv_hl,
-                              max_len=self.max_len - M)  # (the longest prefix M tokens may follow)
+                              max_len=self.max_len)
             mla.uv_project(b.o_lat[:M], lw.kv_b_proj, b.o[:M], stream=s)
             linear(b.o[:M], lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
             if lw.moe is not None:

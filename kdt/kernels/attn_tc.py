@@ -88,15 +88,14 @@ def long_l(M: int) -> int:
 def shares_tc(M: int, H: int, Rkv: int, dr: int, L: int | None = None) -> bool:
     """Whether version 2's attention of M tokens runs here at prefixes from :func:`long_l` keys, the FMA kernel below
     (``TC_LONG_M`` <= M < ``TC_MIN_M``); ``L``: the longest prefix the launch may see (None: any), e.g. an engine's
-    max_len - M: a cache that never holds long_l(M) keys before M new ones leaves M tokens to the FMA kernel."""
+    max_len: a cache that never reaches long_l(M) keys leaves M tokens to the FMA kernel."""
     below = TC_MIN_M <= 0 or M < TC_MIN_M
     return 0 < TC_LONG_M <= M and below and supports(H, Rkv, dr) and (L is None or L >= long_l(M))
 
 
 def runs_tc(H: int, Rkv: int, dr: int, max_tokens: int, max_len: int) -> bool:
-    """Whether some forward of at most max_tokens tokens over a cache of max_len slots may run here (M tokens follow
-    a prefix of at most max_len - M)."""
-    return any(uses_tc(M, H, Rkv, dr) or shares_tc(M, H, Rkv, dr, max_len - M) for M in range(1, max_tokens + 1))
+    """Whether some forward of at most max_tokens tokens over a cache of max_len slots may run here."""
+    return any(uses_tc(M, H, Rkv, dr) or shares_tc(M, H, Rkv, dr, max_len) for M in range(1, max_tokens + 1))
 
 
 def supports_hl(Rkv: int, dr: int) -> bool:

@@ -671,8 +671,7 @@ def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scr
 
     ``kv_hl``: None, or the pre-split cache uint32 [max_len, Rkv + dr] (:func:`kv_hl_np` of the two caches, rows
     [0, L+M) written): version 2 on tensor cores reads it (kdt.kernels.attn_tc), the FMA kernels ignore it.
-    ``max_len`` (with L on the device): the longest prefix it may hold (an engine's cache of max_len slots: max_len - M;
-    None: any), which picks the kernels (kdt.kernels.attn_tc.shares_tc).
+    ``max_len`` (with L on the device): the longest prefix it may hold, as ``n_splits`` came from (None: any).
     """
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
