@@ -1314,7 +1314,7 @@ TC_SPLIT = os.environ.get("KDT_MOE_TC_SPLIT", "1") != "0"
 # s35a, `scripts/bench_moe.py --presets moonlight-16b-a3b --M 16,32,65,128 --sweep`, the Moonlight layer in us;
 # session 34's default: float32 x at 2 tiles, hi / lo at 4 / fit / fit, hi / lo): M = 32 486.1 / 481.3 / **460.8**;
 # M = 65 575.1 / 560.8 / **537.3**; M = 128 (hi / lo) 709.2 / **696.7**; at M = 16 the FMA tiles 399.3, tensor
-# cores on 2 tiles 409.0 / 334.7 / **321.7**. Env KDT_MOE_TC_FIT=0: session 34's tiles.
+# cores on 2 tiles 409.0 / 334.7 / **321.7**. Env KDT_MOE_TC_FIT=0 with KDT_MOE_TC_M=32: session 34's tiles.
 TC_FIT = os.environ.get("KDT_MOE_TC_FIT", "1") != "0"
 
 
