@@ -25,6 +25,7 @@ from kdt.drafters import OracleDrafter
 from kdt.engine import load_target
 from kdt.kernels import moe
 from kdt.reference.decode import ar_generate, generate
+from kdt.reference.ops import choice_scores
 
 
 class Recorder:
@@ -73,10 +74,6 @@ def rows_by_input(forwards, prompt, tokens) -> dict[int, tuple[dict, int]]:
     return out
 
 
-def choice_scores(logits, bias):
-    return 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + bias.astype(np.float64)
-
-
 def compare(cfg, ar_rows, dd_rows, bias, upto: int) -> dict:
     """Positions below ``upto`` that both decodes computed from the same input: how many have a layer whose top-k
     sets differ, and the largest router-logit difference before any flip."""
@@ -94,7 +91,7 @@ def compare(cfg, ar_rows, dd_rows, bias, upto: int) -> dict:
 
 
 def flip_detail(cfg, la, ld, ta, td, bias) -> dict:
-    ca, cd = choice_scores(la, bias), choice_scores(ld, bias)
+    ca, cd = (choice_scores(x.astype(np.float64), bias)[1] for x in (la, ld))  # (in float64, as the reference)
     only_ar, only_dd = sorted(set(ta) - set(td)), sorted(set(td) - set(ta))
     k = cfg.num_experts_per_tok
     order = np.sort(ca)[::-1]

@@ -1330,11 +1330,13 @@ def _tc_shared_block(sb, n, rows, M, split, pass_tokens):
     return (sb % nob) * rows, p0, min(M, p0 + pass_tokens)
 
 
-def _tc_passes(pass_fn, nt: int, fit: bool):
+def _tc_passes(pass_fn, nt: int, fit: bool, st: int):
     """Device function ``run(p0, a0, W, e, X, end, rowsel, y, rows, xrows, acc, sm, frag, warp, lane, n, kwh)``: the
     pass of the tokens [p0, min(end, p0 + 8 nt)) by ``pass_fn(ntp)``, a device function of the same arguments on ntp
     token tiles: ntp = nt, or with ``fit`` the fewest of 1, 2 that hold the pass's tokens (:func:`_tc_gate_up`,
-    :func:`_tc_down`)."""
+    :func:`_tc_down`; not staged, st = 0: kernels B and C drop fit there, ``_v2_kernels``)."""
+    if fit and st:
+        raise ValueError(f"short passes on fewer token tiles are not staged (tc_fit with tc_st={st})")
     pass_n = pass_fn(nt)
     FIT1, FIT2 = fit and nt > 1, fit and nt > 2
     pass_1 = pass_fn(1) if FIT1 else pass_n  # (unused ones: pass_n, never called)
@@ -1363,7 +1365,6 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
     pass of at most 8 (16) tokens takes 1 (2) token tiles, not nt (``V2Tiles.tc_fit``). Every thread of the block
     calls it (barriers)."""
     kw, KW, NRG = _row_groups(nw, kw)
-    fit = fit and not st
     key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw, st, ot, fit)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
@@ -1400,7 +1401,7 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
 
         return _device(one_pass)
 
-    run = _tc_passes(pass_fn, nt, fit)
+    run = _tc_passes(pass_fn, nt, fit, st)
 
     def gate_up(o0, W, e, X, start, end, rowsel, h):
         lane = cuda.threadIdx.x % WARP
@@ -1432,7 +1433,6 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, 
     warps of a group splitting I (kw = 0: one group of nw); st >= 2: the loads staged, ``fit`` a short pass on fewer
     token tiles, as :func:`_tc_gate_up`. Every thread of the block calls it (barriers)."""
     kw, KW, NRG = _row_groups(nw, kw)
-    fit = fit and not st
     key = ("down tc", nw, rt, nt, u, cs, xl, kw, st, fit)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
@@ -1460,7 +1460,7 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, 
 
         return _device(one_pass)
 
-    run = _tc_passes(pass_fn, nt, fit)
+    run = _tc_passes(pass_fn, nt, fit, st)
 
     def down(d0, W, e, X, start, end, y):
         lane = cuda.threadIdx.x % WARP
@@ -1530,7 +1530,6 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
                        hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_ot: int = 1, tc_fit: bool = False):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    tc_fit = bool(tc) and tc_fit and not tc_st
     key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
@@ -1691,7 +1690,6 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
     block (its row groups; tc_kw = 0: 16 tc_rt); with ``hilo`` h is the uint64 view of the hi / lo layout; tc_st:
     the routed down's loads staged, tc_fit: its short passes on fewer token tiles (:func:`_tc_down`)."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    tc_fit = bool(tc) and tc_fit and not tc_st
     key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st, tc_fit)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
@@ -1944,10 +1942,11 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     are also compiled into kernel AB, :func:`_v2_ab_kernel`)."""
     tcn = t.tc if epw == 4 else 0
     split, hilo, kw, st = bool(tcn) and t.tc_split, t.hilo(epw), t.tc_kw if tcn else 0, t.tc_st if tcn else 0
+    fit = bool(tcn) and t.tc_fit and not st  # (staged passes take all tc tiles)
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
-                               kw, st, t.tc_ot if tcn else 1, t.tc_fit),
-            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, t.tc_fit))
+                               kw, st, t.tc_ot if tcn else 1, fit),
+            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, fit))
 
 
 def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,

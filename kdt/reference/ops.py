@@ -106,15 +106,21 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool
 
 
 # ---- MoE routing ----------------------------------------------------------------------------------
+def choice_scores(logits: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(s, s_choice) of router logits[M, E]: the sigmoid scores (the routing weights' source) and, with
+    ``e_score_correction_bias`` added, the scores the top-k picks by."""
+    s = 1.0 / (1.0 + np.exp(-logits))
+    return s, s + bias.astype(s.dtype, copy=False)
+
+
 def moe_route(logits: np.ndarray, bias: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """Sigmoid, noaux_tc group-limited top-k routing of router logits[M, E].
 
     Returns (topk_idx[M, k] int64, topk_weight[M, k]) with experts in descending order of
-    ``s_choice``; ties go to the lower expert index (stable sort). Excluded groups are -inf.
+    ``s_choice`` (:func:`choice_scores`); ties go to the lower expert index (stable sort). Excluded groups are -inf.
     """
     M, E = logits.shape
-    s = 1.0 / (1.0 + np.exp(-logits))
-    s_choice = s + bias.astype(s.dtype, copy=False)
+    s, s_choice = choice_scores(logits, bias)
     if cfg.n_group > 1:
         grouped = s_choice.reshape(M, cfg.n_group, E // cfg.n_group)
         top2 = -np.sort(-grouped, axis=-1)[..., :2]
