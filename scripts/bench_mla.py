@@ -11,6 +11,8 @@ attention at M = 1, 16, 64 and L = 512, 8192 (--L) with
   - v2 "pf0"/"pf1" (S(max)): the other prefetch modes of the v2 attention tile loop (default pf2);
   - v2 "S(max)/2": half the splits (what KDT_MLA_BLOCKS_PER_SM=1 would pick);
   - v2 "S(max) kN" (``--split-keys``): at least N keys a split (what KDT_MLA_SPLIT_KEYS=N would pick);
+  - v2 "ci S(max)" / "ci0 S(max)" (``--combine-in``): the FMA kernel with its combine in its own launch or in a
+    launch of its own (kdt.kernels.mla.COMBINE_IN_MAX_M), where it takes the FMA kernel;
   - v2 "fma S(max)" and "tc S(max)" (``--tc``): version 2's FMA kernel and the one on tensor cores
     (kdt.kernels.attn_tc, the default from KDT_MLA_ATTN_TC_M tokens: "v2 S(max)" is one of the two), each with the
     engine's splits (tc: 2 m-tiles of 16 rows a block, 4 warps each); "tc hl" the same reading the pre-split cache
@@ -51,7 +53,7 @@ def _attention_tc(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, scratch, S:
 
 
 def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), Ls: tuple[int, ...] = (512, 8192),
-         Ms: tuple[int, ...] = (1, 16, 64), tc: bool = False):
+         Ms: tuple[int, ...] = (1, 16, 64), tc: bool = False, combine_in: bool = False):
     """(kernel, shape, variant, callable, bytes) for one model."""
     cfg = preset(name)
     wdt = np.uint16 if dtype == "bf16" else np.float32
@@ -90,6 +92,9 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
                     variants.append(("v2 S(max)/2", 2, S // 2, None))
             S = mla.mla_num_splits(MAX_LEN, M, H, Rkv, dr, version=2)
             variants += [(f"v2 S(max) k{km}", 2, S, ("keys", km)) for km in split_keys]
+            if combine_in and S > 1 and not attn_tc.uses_tc(M, H, Rkv, dr):
+                variants += [(f"v2 ci{'' if on else '0'} S(max)", 2, S,
+                              ("ci", on, cuda.to_device(np.zeros(mla.ATTN_SYNC_WORDS, np.int32)))) for on in (1, 0)]
             if tc and attn_tc.supports(H, Rkv, dr):  # on tensor cores, the engine's splits were it on
                 S, S1 = attn_tc.num_splits(MAX_LEN, M, H), attn_tc.num_splits(MAX_LEN, M, H, NM=1)
                 variants += [("v2 fma S(max)", 2, mla._fma_splits(MAX_LEN, M, H, Rkv, dr), ("fma",)),
@@ -109,6 +114,9 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
                         mla._mla_attention_v2(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, 0, on_tc=False)
                     elif prm[0] == "tc":  # on tensor cores (BC, register cap)
                         _attention_tc(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, *prm[1:])
+                    elif prm[0] == "ci":  # the combine in the attention's launch, or not
+                        mla._mla_attention_v2(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, 0, sync=prm[2],
+                                              combine_in=bool(prm[1]))
                     elif prm[0] == "keys":  # a floor on a split's keys
                         mla._mla_attention_v2(a, p, c_kv, k_pe, Ld, vis, scale, o, sc, S, 0, split_keys=prm[1])
                     else:  # a v2 geometry other than the default (the prefetch mode)
@@ -149,6 +157,8 @@ def main(argv=None) -> int:
                     "(ncu --profile-from-start off)")
     ap.add_argument("--tc", action="store_true", help="time the attention on tensor cores (kdt.kernels.attn_tc) "
                     "beside version 2's FMA kernel, with and without its register cap")
+    ap.add_argument("--combine-in", action="store_true", help="time the FMA attention with its combine in its own "
+                    "launch and in one of its own (kdt.kernels.mla.COMBINE_IN_MAX_M)")
     args = ap.parse_args(argv)
     split_keys = tuple(int(x) for x in args.split_keys.split(",") if x)
     only = args.kernels.split(",") if args.kernels else None
@@ -161,7 +171,8 @@ def main(argv=None) -> int:
         base = {}
         for kernel, shape, variant, fn, nbytes in rows(name, args.dtype, args.quick, split_keys,
                                                        tuple(int(x) for x in args.L.split(",")),
-                                                       tuple(int(x) for x in args.M.split(",")), args.tc):
+                                                       tuple(int(x) for x in args.M.split(",")), args.tc,
+                                                       args.combine_in):
             if (only and kernel not in only) or (args.only and variant.split("=")[0] not in args.only.split(",")):
                 continue
             if args.ncu:

@@ -15,7 +15,8 @@ to the next node; eager profiles (scripts/profile_kernels.py) see neither. This 
 3. an empty kernel ``--reps`` times: the least a launch costs in a graph.
 
 ``--pdl-ab``: every whole program is also timed captured without programmatic dependent launch (the same kernels;
-kdt.kernels.common's PDL section).
+kdt.kernels.common's PDL section). ``--combine-in-ab``: also with the one-token attention's combine in its launch
+switched (kdt.kernels.mla.COMBINE_IN_MAX_M: on if the environment left it off, else off).
 
 Replays would change the state: each step commits tokens, so L would grow by thousands over the replays and
 the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
@@ -47,6 +48,7 @@ from kdt.engine import load_target  # noqa: E402
 from kdt.engine.cuda_model import ForwardGraphs  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
 from kdt.kernels import ddtree as kd  # noqa: E402
+from kdt.kernels import mla  # noqa: E402
 from kdt.kernels.common import pdl_launches, set_pdl_launch  # noqa: E402
 from kdt.reference.decode import generate  # noqa: E402
 
@@ -171,6 +173,9 @@ def main() -> int:
                     "step alone)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time each whole program captured without PDL (kdt.kernels.common: the same kernels)")
+    ap.add_argument("--combine-in-ab", action="store_true",
+                    help="also time each whole program with the one-token attention's combine in its launch switched "
+                    "(kdt.kernels.mla.COMBINE_IN_MAX_M)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -225,20 +230,29 @@ def main() -> int:
     print(f"== whole programs, one graph each ({args.model}, {args.dtype}, {kind} drafter, block {B}, L = {PIN.L};"
           f" the state's restore, {PIN.pin_us:.2f} us, taken off)")
     pdl = pdl_launches()
+    ci = mla.COMBINE_IN_MAX_M
+    switches = []  # (key in out, column label, setter(on): the setting switched on / back)
     if args.pdl_ab:
-        out["programs_us_no_pdl"] = {}
-        print(f"  {'':34s} {'PDL' if pdl else 'no PDL':>8s} {'no PDL':>8s}")
+        switches.append(("programs_us_no_pdl", "no PDL", lambda on: set_pdl_launch(pdl and not on)))
+    if args.combine_in_ab:
+        switches.append((f"programs_us_combine_in_{int(not ci)}", f"ci {int(not ci)}",
+                          lambda on: setattr(mla, "COMBINE_IN_MAX_M", int(not ci) if on else ci)))
+    if switches:
+        print(f"  {'':34s} {('PDL' if pdl else 'no PDL') + f', ci {int(bool(ci))}':>12s} "
+              + " ".join(f"{label:>8s}" for _, label, _ in switches))
+    for key, _, _ in switches:
+        out[key] = {}
     for name, fn in whole.items():
         us = graph_us(fn)
         out["programs_us"][name] = round(us, 2)
-        if args.pdl_ab:
-            prev = set_pdl_launch(False)
-            us0 = out["programs_us_no_pdl"][name] = round(graph_us(fn), 2)
-            set_pdl_launch(prev)
-            print(f"  {name:34s} {us:8.2f} {us0:8.2f} us")
-        else:
-            print(f"  {name:34s} {us:8.2f} us")
+        cols = []
+        for key, _, switch in switches:
+            switch(True)
+            cols.append(out[key].setdefault(name, round(graph_us(fn), 2)))
+            switch(False)
+        print(f"  {name:34s} {us:12.2f} " + " ".join(f"{c:8.2f}" for c in cols) + " us")
     out["pdl"] = pdl
+    out["combine_in_max_m"] = ci
     floor = out["programs_us"][f"empty kernel x{args.reps}"] / args.reps
     print(f"  an empty launch in a graph: {floor:.2f} us")
 

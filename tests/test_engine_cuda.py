@@ -46,12 +46,14 @@ def cuda_model(cfg, w, dtype="float32", max_len=40, max_tokens=8):
 @pytest.fixture
 def fused(request, monkeypatch):
     """The optional fused launches for one test, all on (param True) or off: KDT_LINEAR_FUSE_NORM (RMSNorm folded
-    into linear_v2's staging of x) and KDT_MLA_FUSE_KV (the latent write in q_absorb's launch)."""
+    into linear_v2's staging of x), KDT_MLA_FUSE_KV (the latent write in q_absorb's launch) and
+    KDT_MLA_COMBINE_IN_M (the attention's combine in its launch, at one token)."""
     from kdt.kernels import linear as lin
     from kdt.kernels import mla
 
     monkeypatch.setattr(lin, "FUSE_NORM", request.param)
     monkeypatch.setattr(mla, "FUSE_KV", request.param)
+    monkeypatch.setattr(mla, "COMBINE_IN_MAX_M", int(request.param))
     return request.param
 
 

@@ -15,7 +15,7 @@ from numba import cuda
 
 from kdt.config import preset
 from kdt.kernels import mla
-from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
+from kdt.kernels.common import IS_SIM, bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.reference import ops
 from kdt.reference.model import full_mask
 from kdt.testing import poisoned, rel_err
@@ -422,6 +422,39 @@ def test_mla_attention_v2_split_keys(rng, L, M, n_splits, split_keys):
                     params=mla._attn2_params(2, 16, 4) + (0,), split_keys=split_keys)
 
 
+def check_combine_in_launch(rng, cfg, L, M, n_splits, launches=2):
+    """The combine in the attention's launch (mla.combine_in_launch) as the engine calls it (L on the device, S
+    splits, the partials and o_lat NaN-poisoned before each launch), ``launches`` times on one sync array, which
+    each launch must leave at zero (left set, the next launch's blocks take the wrong roles, or its workers pass
+    their wait before the splits have written): within F32_BOUND of float64 and of the separate combine's o_lat, bit
+    for bit where the workers sum in the separate combine's order (its warps and splits in flight: the
+    simulator's)."""
+    H, Rkv = cfg.num_attention_heads, cfg.kv_lora_rank
+    q_abs, q_pe, c_kv, k_pe, vis, scale = attention_inputs(rng, cfg, L, M)
+    args = [cuda.to_device(a) for a in (q_abs, q_pe, c_kv, k_pe, np.array([L], np.int64), vis.astype(np.uint8))]
+    sync = cuda.to_device(np.zeros(mla.ATTN_SYNC_WORDS, np.int32))
+    outs = []
+    for ci in (False,) + (True,) * launches:
+        o = cuda.to_device(poisoned((M, H, Rkv)))
+        scratch = cuda.to_device(poisoned(mla.mla_scratch_size(M, H, Rkv, n_splits)))
+        mla._mla_attention_v2(*args, scale, o, scratch, n_splits, 0, sync=sync, combine_in=ci)
+        outs.append(o.copy_to_host())
+        assert not sync.copy_to_host().any(), "the launch must leave its sync words at zero"
+    ref, _ = ref_o_lat(q_abs, q_pe, c_kv[:L + M], k_pe[:L + M], full_mask(L, vis), scale)
+    for o in outs[1:]:
+        assert rel_err(o, ref) < F32_BOUND and rel_err(o, outs[0]) < F32_BOUND
+        if IS_SIM:
+            np.testing.assert_array_equal(o, outs[0])
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("L,M,n_splits", [(2, 1, 9), (40, 1, 6), (40, 1, 25), (9, 3, 7)])
+def test_mla_attention_v2_combine_in_launch(rng, L, M, n_splits):
+    """The combine in the attention's launch (:func:`check_combine_in_launch`): most splits empty, every split
+    written, several splits a warp and a tail, three tokens' workers."""
+    check_combine_in_launch(rng, micro_cfg(), L, M, n_splits)
+
+
 @pytest.mark.kernels
 @pytest.mark.parametrize("params", [
     (4, 2, 2, 1, 2, 0), (4, 2, 2, 1, 2, 1), (4, 2, 2, 1, 2, 2),  # prefetch modes
@@ -544,6 +577,17 @@ def test_mla_attention_gpu_v2_engine_splits(rng, H, L, M):
     check_attention(rng, cfg, L, M, n_splits=S, version=2, device_L=True)
     for pf in (0, 1):
         check_attention(rng, cfg, L, M, n_splits=S, device_L=True, params=mla._attn2_params(H, 512, 64) + (pf,))
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("H,L,M", [(16, 0, 1), (16, 176, 1), (16, 512, 1), (16, 4095, 1), (16, 8192, 1),
+                                   (64, 512, 1), (16, 100, 3)])
+def test_mla_attention_gpu_v2_combine_in_launch(rng, H, L, M):
+    """The combine in the attention's launch at Moonlight's (H = 16) and Kimi K2's (H = 64) shapes as the engine
+    calls it (device L, splits from max_len = 8192 + 64: most empty, and at L = 4095 / 8192 all or most written),
+    three launches on one sync array (:func:`check_combine_in_launch`)."""
+    check_combine_in_launch(rng, real_cfg(H), L, M, mla.mla_num_splits(8192 + 64, M, H, version=2), launches=3)
 
 
 @pytest.mark.gpu

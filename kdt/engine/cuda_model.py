@@ -193,6 +193,7 @@ class Buffers:
         self.attn_splits = [0] + [mla.mla_num_splits(max_len, m, H, Rkv, dr) for m in range(1, M_max + 1)]
         attn = max(mla.mla_scratch_size(m, H, Rkv, self.attn_splits[m]) for m in range(1, M_max + 1))
         self.attn_scratch = cuda.device_array(max(1, attn), np.float32)
+        self.attn_sync = cuda.to_device(np.zeros(mla.ATTN_SYNC_WORDS, np.int32))  # the combine in the launch's
         self.moe = moe.MoEScratch.allocate(cfg, M_max) if cfg.n_moe_layers else None
 
 
@@ -348,7 +349,7 @@ class DecoderStack:
                                         b.q_abs[:M], b.q_pe[:M], stream=s, kv_hl=kv_hl)
             mla.mla_attention(b.q_abs[:M], b.q_pe[:M], self.c_kv[i], self.k_pe[i], b.L, vis, cfg.softmax_scale,
                               b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s, kv_hl=kv_hl,
-                              max_len=self.max_len)
+                              max_len=self.max_len, sync=b.attn_sync)
             mla.uv_project(b.o_lat[:M], lw.kv_b_proj, b.o[:M], stream=s)
             linear(b.o[:M], lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
             if lw.moe is not None:

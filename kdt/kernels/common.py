@@ -36,9 +36,12 @@ if not IS_SIM:  # compiled kernels are kept on disk across runs (kdt.kernels.jit
 
 WARP = 32
 
-# ldcg2 / ldcg3: a[i, j] / a[i, j, k] through L2 only (ld.global.cg), for data other blocks of the same launch
-# wrote (split partials, tickets' results); ldcs3: with the streaming hint (ld.global.cs)
+# ldcg1 / ldcg2 / ldcg3: a[i] / a[i, j] / a[i, j, k] through L2 only (ld.global.cg), for data other blocks of the
+# same launch wrote (split partials, tickets' results); ldcs3: with the streaming hint (ld.global.cs)
 if IS_SIM:  # memory is coherent
+
+    def ldcg1(a, i):
+        return a[i]
 
     def ldcg2(a, i, j):
         return a[i, j]
@@ -54,6 +57,10 @@ else:
     # asks the driver for the current device, which the sm_90 compile check (no GPU) cannot answer
     from numba import int64
     from numba.cuda.cache_hints import ldcg_intrinsic
+
+    @cuda.jit(device=True, inline=True)
+    def ldcg1(a, i):
+        return ldcg_intrinsic(a, (int64(i),))
 
     @cuda.jit(device=True, inline=True)
     def ldcg2(a, i, j):
@@ -87,7 +94,13 @@ else:
 # at M = 8 7229 / 7187: 1-4% slower (why was not measured; a guess: the launch_dependents right after the wait keeps
 # the next kernel's blocks resident, waiting, from the start of this one). That run's launch hook also failed on kernels
 # loaded from the disk cache (no py_func on numba-cuda's _Kernel); it now reads the dispatcher's, not run on the H200.
-PDL = os.environ.get("KDT_PDL", "0") == "1"
+# KDT_PDL=2 (session 36, not yet timed): the wait alone, no launch_dependents: each block triggers the next kernel's
+# launch implicitly as it exits, so the next kernel's blocks are not resident and waiting through this one's run,
+# and only its launch and ramp overlap this one's last blocks and their memory flush.
+PDL_MODE = int(os.environ.get("KDT_PDL", "0") or 0)
+if PDL_MODE not in (0, 1, 2):
+    raise ValueError(f"KDT_PDL={PDL_MODE}: 0 (off), 1 (wait, then trigger the next launch) or 2 (wait only)")
+PDL = PDL_MODE > 0
 WAIT_NAME = "grid_dependency_wait"
 
 if IS_SIM:
@@ -113,10 +126,9 @@ else:
     @_intrinsic
     def _griddepcontrol(typingctx):
         def codegen(context, builder, sig, args):
-            if _pdl_code():  # wait for the kernel before, then let the kernel after be scheduled
-                asm = _ir.InlineAsm(_ir.FunctionType(_ir.VoidType(), []),
-                                    "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;", "~{memory}",
-                                    side_effect=True)
+            if _pdl_code():  # wait for the kernel before; then (KDT_PDL=1) let the kernel after be scheduled
+                ptx = "griddepcontrol.wait;" + ("\n\tgriddepcontrol.launch_dependents;" if PDL_MODE == 1 else "")
+                asm = _ir.InlineAsm(_ir.FunctionType(_ir.VoidType(), []), ptx, "~{memory}", side_effect=True)
                 builder.call(asm, ())
             return context.get_dummy_value()
 
@@ -125,7 +137,8 @@ else:
     @cuda.jit(device=True, inline=True)
     def grid_dependency_wait():
         """The kernel before this one (in a PDL launch) has finished and its writes are visible; from here
-        the kernel after this one may be scheduled (see the PDL section)."""
+        (KDT_PDL=1; with KDT_PDL=2 at each block's exit) the kernel after this one may be scheduled (see the PDL
+        section)."""
         _griddepcontrol()
 
 
@@ -202,6 +215,56 @@ class pdl_capture:  # noqa: N801 - used as a context manager
     def __exit__(self, *exc):
         _PdlHook.capturing = False
         return False
+
+
+# ---- blocks of one launch that wait on other blocks of it -----------------------------------------------------
+# (kdt.kernels.moe's kernel AB, kdt.kernels.mla's combine in the attention's launch.) A waiter must never hold a
+# slot that a block it waits on needs, whatever order the hardware dispatches blocks in: so a block's role is its
+# ticket (sync_ticket, an atomic counter at its start, as CUB's decoupled look-back takes tile ids), and every role
+# block a waiter waits on has started and waits on nothing. A flag has SYNC_COPIES copies, one 128-byte line each
+# (sync_raise): a waiter polls one copy with an atomic read (a plain or ld.cg load in a loop may be hoisted out of
+# it) and SPIN_NS of sleep between polls (sync_poll), so many waiters spread over SYNC_COPIES L2 lines. A writer
+# fences (cuda.threadfence) before it raises; a waiter fences after its poll, and reads what other blocks wrote
+# through L2 (ldcg*) or through L1 lines that no block of the launch loaded before (L1 starts empty at a launch).
+# The last block to pass puts back to zero every word the launch wrote: the sync array is zero between launches.
+# The simulator runs blocks one after another, in ticket order: a poll there checks that its flag is up already.
+SYNC_LINE = 32  # int32 words of a 128-byte line
+SYNC_COPIES = 32  # copies of a flag, one line each
+SPIN_NS = 200  # a waiter's sleep between polls
+
+
+@cuda.jit(device=True, inline=True)
+def sync_ticket(sync, word):
+    """This block's role index: the next ticket of counter ``sync[word]`` (thread 0 takes it, every thread gets
+    it)."""
+    v = cuda.shared.array(1, int32)
+    if cuda.threadIdx.x == 0:
+        v[0] = cuda.atomic.add(sync, word, 1)
+    cuda.syncthreads()
+    return v[0]
+
+
+@cuda.jit(device=True, inline=True)
+def sync_raise(sync, flag):
+    """Every copy of ``flag`` (words flag + c * SYNC_LINE) up (one thread, after the block's writes and a fence)."""
+    for c in range(SYNC_COPIES):
+        sync[flag + c * SYNC_LINE] = 1
+
+
+if IS_SIM:
+
+    @cuda.jit(device=True)
+    def sync_poll(sync, i):
+        if sync[i] == 0:  # blocks run one after another, in ticket order: the flag must be up already
+            raise RuntimeError(f"a block waits on sync[{i}], which no earlier block raised")
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def sync_poll(sync, i):
+        """Wait until sync[i] != 0 (one thread; fence after it)."""
+        while cuda.atomic.add(sync, i, 0) == 0:
+            cuda.nanosleep(SPIN_NS)
 
 
 # (name, python function of the kernel or device function, signature tuple, is_device)

@@ -44,12 +44,18 @@ from numba import boolean, cuda, float32, int32, int64, uint8, uint16, uint32, u
 from kdt.kernels import tc
 from kdt.kernels.common import (
     IS_SIM,
+    SYNC_COPIES,
+    SYNC_LINE,
     Src,
     cdiv,
     device_scalar,
     grid_dependency_wait,
     jit_source,
+    ldcg1,
     register_ptx,
+    sync_poll,
+    sync_raise,
+    sync_ticket,
     weight_loader,
 )
 
@@ -649,7 +655,7 @@ def mla_scratch_size(M: int, H: int, Rkv: int, n_splits: int) -> int:
 
 def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch=None,
                   n_splits: int | None = None, stream=0, version: int | None = None, kv_hl=None,
-                  max_len: int | None = None) -> None:
+                  max_len: int | None = None, sync=None) -> None:
     """o_lat[m,h] = sum_t softmax_t(s[m,h,t]) c_kv[t] over cache slots t in [0, L+M).
 
     s[m,h,t] = (q_abs[m,h] . c_kv[t] + q_pe[m,h] . k_pe[t]) * scale; slots t < L are visible, slot
@@ -672,6 +678,8 @@ def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scr
     ``kv_hl``: None, or the pre-split cache uint32 [max_len, Rkv + dr] (:func:`kv_hl_np` of the two caches, rows
     [0, L+M) written): version 2 on tensor cores reads it (kdt.kernels.attn_tc), the FMA kernels ignore it.
     ``max_len`` (with L on the device): the longest prefix it may hold, as ``n_splits`` came from (None: any).
+    ``sync``: None, or int32 [ATTN_SYNC_WORDS], zero, for the combine in the attention's launch (version 2,
+    :func:`combine_in_launch`; None: one kept by this module, for one stream at a time).
     """
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
@@ -679,7 +687,7 @@ def mla_attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scr
         return
     if _version(version) == 2:
         _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream,
-                          kv_hl=kv_hl, max_len=max_len)
+                          kv_hl=kv_hl, max_len=max_len, sync=sync)
         return
     G, A, NW, BT = _attn_params(H, Rkv, dr)
     if isinstance(L, (int, np.integer)):
@@ -874,6 +882,26 @@ SPLITS_BY_WARPS = os.environ.get("KDT_MLA_SPLITS_BY_WARPS", "1") == "1"  # 0: se
 # us without a floor, 14.6 / 15.1 / 17.6 with 16 keys, 17.0 / 17.7 / 18.6 with 32, 35-36 with 128; ties at M = 16 / 64
 # up to 32): a block's walk over more tiles costs more than the queries it reloads and the partials it writes
 SPLIT_KEYS = int(os.environ.get("KDT_MLA_SPLIT_KEYS", "0"))
+# The combine in the launch (session 36; KDT_MLA_COMBINE_IN_M: at M <= this, 0: off, the default until the H200 times
+# it). At one token the attention and its combine take ~13.5 us at any prefix up to 512 keys for < 1 MB (session 31:
+# their launches' latency, not bytes), and the combine's launch is ~4.6 us + ~1 us of graph gap a layer. With it on,
+# the attention's launch holds NP = H * M * Rkv / (G * CI) more blocks, combine workers: a block's role is its ticket
+# (kdt.kernels.common: blocks that wait), the first NS = cdiv(H, R) * M * S tickets the splits, which count themselves
+# done once their partials are written (an empty split at once), the last of them raising a flag; each worker waits
+# for the flag, then combines its (column chunk, head, token) with mla_combine2's code (_emit_combine2), reading the
+# partials through L2. The last worker to pass puts the launch's sync words back to zero. A worker has the attention's
+# NW warps (mla_combine2 at M = 1: 16), so its sums take the same terms in another order (~1e-7 apart; bit for bit in
+# the simulator, whose geometries agree). Prediction (Moonlight, M = 1): ~3 us a layer, ~80 us of the 2.9 ms AR step.
+COMBINE_IN_MAX_M = int(os.environ.get("KDT_MLA_COMBINE_IN_M", "0"))
+COMBINE_IN_CPC = 1  # a worker lane's columns: H * 16 workers of 32 columns at Rkv = 512 (the combine's M = 1 chunks)
+_CI_TICKET, _CI_DONE, _CI_PASSED = 0, 1, 2  # line 0: role tickets, splits done, workers passed
+_CI_FLAG = SYNC_LINE  # the splits-done flag's copies: lines 1 .. SYNC_COPIES
+ATTN_SYNC_WORDS = SYNC_LINE * (1 + SYNC_COPIES)  # the sync array of the combine in the launch: int32, zero between
+
+
+def combine_in_launch(M: int, S: int) -> bool:
+    """Whether the FMA attention of M tokens in S splits combines in its own launch (COMBINE_IN_MAX_M)."""
+    return S > 1 and M <= COMBINE_IN_MAX_M
 
 
 def _attn2_blocks_per_sm(NW: int) -> int:
@@ -977,7 +1005,7 @@ def online_softmax(s, scores: list[str], span: int, shfl) -> None:
 
 
 def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW, CPT, GS, V, PEP, NLC,
-                  NLP, LOGG, PF, KM=0, LMAX=0, SOWN=0, **_) -> str:
+                  NLP, LOGG, PF, KM=0, LMAX=0, SOWN=0, CI=0, **_) -> str:
     """Python source of the v2 attention kernel (see the section comment), loops written out.
 
     PF (how the next key tile's global loads overlap this tile's compute): 0 = none (loads at the top
@@ -986,7 +1014,9 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
     stored to the other half of a double-buffered tile, one barrier fewer per tile.
 
     LMAX > 0 (attn_tc.shares_tc): prefixes L >= LMAX are the tensor-core kernel's (it returns at once), and below
-    it takes SOWN of the launch's splits (its own count; the combine told the same by L)."""
+    it takes SOWN of the launch's splits (its own count; the combine told the same by L).
+
+    CI > 0: the combine in the same launch (see COMBINE_IN_MAX_M), its workers on CI columns a lane."""
     s = Src()
     B = "bf, " if PF == 2 else ""  # tile buffer index of sK
 
@@ -1042,20 +1072,61 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
                 with s.block("if tt < BT:"):
                     s(f"{kref('tt', f'Rkv + e - tt * {PEP}')} = pp_{i}")
 
-    with s.block("def mla_attention2(q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, part):"):
+    def split_done() -> None:  # CI: this split's partials are written (or it has none): count it
+        s("cuda.threadfence()")
+        s("cuda.syncthreads()")
+        with s.block("if tid == 0 and cuda.atomic.add(sync, CI_DONE, 1) == NS - 1:  # the last split: workers go"):
+            s("cuda.threadfence()")
+            s("sync_raise(sync, CI_FLAG)")
+
+    args = "q_abs, q_pe, c_kv, k_pe, L_dev, vis, scale, o_lat, part" + (", sync, S" if CI else "")
+    with s.block(f"def mla_attention2({args}):"):
         s('"""v2 MLA attention (kdt.kernels.mla section 6). Grid (cdiv(H, R), M, S), block (NT,): block')
         s("(x, m, sp) = heads x*R .. x*R+R-1 of token m, keys [sp*kps, (sp+1)*kps) (kps = cdiv(L+M, S)")
         s("rounded up to BT; an empty split returns at once). S == 1: o_lat[m, h] = acc / l; else")
-        s('part[((m*H+h)*S+sp)*(Rkv+2) + ..] = (acc[Rkv], running max, running sum)."""')
+        s("part[((m*H+h)*S+sp)*(Rkv+2) + ..] = (acc[Rkv], running max, running sum). With the combine in the")
+        s("launch (CI): grid (NS + NP,), a block's ticket its role: NS splits (x, m, sp), then NP combine workers")
+        s('(cb, h, m) that wait for every split (kdt.kernels.common: blocks that wait)."""')
         s("grid_dependency_wait()  # first (kdt.kernels.common, PDL)")
         s("tid = cuda.threadIdx.x")
         s("w = tid // G")
         s("j = tid - w * G")
         s("M = q_abs.shape[0]")
         s("H = q_abs.shape[1]")
-        s("m = cuda.blockIdx.y")
-        s("sp = cuda.blockIdx.z")
-        s(f"S = {SOWN}  # of the launch's splits (later ones stay empty)" if LMAX else "S = cuda.gridDim.z")
+        if CI:
+            s("NX = (H + R - 1) // R")
+            s("NS = NX * M * S")
+            s("role = sync_ticket(sync, CI_TICKET)")
+            with s.block("if role >= NS:  # a combine worker"):
+                s("wr = role - NS")
+                s(f"cb = wr % {Rkv // (G * CI)}")
+                s(f"h = (wr // {Rkv // (G * CI)}) % H")
+                s(f"m = wr // ({Rkv // (G * CI)} * H)")
+                with s.block("if tid == 0:"):
+                    s("sync_poll(sync, CI_FLAG + (wr % SYNC_COPIES) * SYNC_LINE)")
+                    s("cuda.threadfence()")
+                    with s.block(f"if cuda.atomic.add(sync, CI_PASSED, 1) == {Rkv // (G * CI)} * H * M - 1:"):
+                        s("# every ticket is taken and every flag read: zero for the next launch")
+                        s("sync[CI_TICKET] = 0")
+                        s("sync[CI_DONE] = 0")
+                        s("sync[CI_PASSED] = 0")
+                        with s.block("for c in range(SYNC_COPIES):"):
+                            s("sync[CI_FLAG + c * SYNC_LINE] = 0")
+                s("cuda.syncthreads()")
+                _emit_combine2(s, G, NW, CI, max(1, (2 if IS_SIM else 16) // CI), KM,
+                               ld=lambda i: f"ldcg1(part, {i})")
+                s("return")
+            s("bx = role % NX")
+            s("m = (role // NX) % M")
+            s("sp = role // (NX * M)")
+        else:
+            s("bx = cuda.blockIdx.x")
+            s("m = cuda.blockIdx.y")
+            s("sp = cuda.blockIdx.z")
+        if LMAX:
+            s(f"S = {SOWN}  # of the launch's splits (later ones stay empty)")
+        elif not CI:  # (CI: an argument)
+            s("S = cuda.gridDim.z")
         s("L = L_dev[0]")
         if LMAX:  # prefixes from LMAX are the tensor-core kernel's (attn_tc.shares_tc)
             with s.block(f"if L >= {LMAX}:"):
@@ -1064,6 +1135,8 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
         _split_keys(s, KM)
         s("t_lo = sp * kps")
         with s.block("if t_lo >= T:"):
+            if CI:
+                split_done()
             s("return")
         s("t_hi = min(t_lo + kps, T)")
         s("sK = cuda.shared.array(SK_SHAPE, float32)  # key tile [c_kv | k_pe | 0 pad]")
@@ -1071,7 +1144,7 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
         s("sAl = cuda.shared.array(R, float32)  # per-row rescale of this tile")
         s("sMl = cuda.shared.array(SML_SHAPE, float32)  # final running max / sum per row")
         s("xbuf = cuda.shared.array(XB, float32)")
-        s("h0 = cuda.blockIdx.x * R")
+        s("h0 = bx * R")
         s("# q rows w*A + a (clamped to H-1: rows past H are computed, never stored), features j + G*k")
         for a in range(A):
             s(f"hq = min(h0 + w * {A} + {a}, H - 1)")
@@ -1197,15 +1270,17 @@ def _attn2_source(Rkv, dr, F, G, A, NW, VPL, CG, BT, QE, FP, NT, R, RG, RPT, CW,
                     s("base = ((m * H + h) * S + sp) * RS")
                     s("part[base + Rkv] = sMl[0, r]")
                     s("part[base + Rkv + 1] = sMl[1, r]")
+        if CI:
+            split_done()
     return s.text()
 
 
 @functools.cache
 def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG: int, PF: int = 2, KM: int = 0,
-                       LMAX: int = 0, SOWN: int = 0):
+                       LMAX: int = 0, SOWN: int = 0, CI: int = 0):
     """The v2 attention kernel (cached per geometry; KM: the split keys' floor, ``split_keys``; LMAX > 0: it returns
-    at once for prefixes L >= LMAX and takes SOWN splits below, for sharing a launch with the tensor-core kernel);
-    ``.geom`` holds its constants."""
+    at once for prefixes L >= LMAX and takes SOWN splits below, for sharing a launch with the tensor-core kernel;
+    CI > 0: the combine in the launch, CI columns a worker's lane); ``.geom`` holds its constants."""
     g = _attn2_geometry(Rkv, dr, G, A, NW, VPL, CG)
     sk = (2, g["BT"], g["FP"]) if PF == 2 else (g["BT"], g["FP"])
     ns = dict(g, cuda=cuda, float32=float32, uint64=uint64, math=math, NEG_INF=NEG_INF, shfl=_shfl_xor, DR=dr,
@@ -1214,14 +1289,87 @@ def _attention2_kernel(Rkv: int, dr: int, G: int, A: int, NW: int, VPL: int, CG:
     ns.update({f"U{i}": np.uint64(i) for i in range(max(g["FP"], g["R"]) + 1)})
     if LMAX and SOWN < 1:
         raise ValueError(f"a launch shared by prefix needs the FMA kernel's own splits (SOWN={SOWN})")
-    k = jit_source(_attn2_source(PF=PF, KM=KM, LMAX=LMAX, SOWN=SOWN, **g), "mla_attention2", ns, __name__)
+    if CI:
+        if LMAX or Rkv % (G * CI) or g["NT"] & (g["NT"] - 1):
+            raise ValueError(f"the combine in the launch needs a launch of its own, Rkv % (G * CI) == 0 and a power "
+                             f"of two threads (CI={CI}, NT={g['NT']})")
+        ns.update(tree_reduce=_tree_reduce, ldcg1=ldcg1, sync_ticket=sync_ticket, sync_raise=sync_raise,
+                  sync_poll=sync_poll, SYNC_COPIES=SYNC_COPIES, SYNC_LINE=SYNC_LINE, CI_TICKET=_CI_TICKET,
+                  CI_DONE=_CI_DONE, CI_PASSED=_CI_PASSED, CI_FLAG=_CI_FLAG)
+    k = jit_source(_attn2_source(PF=PF, KM=KM, LMAX=LMAX, SOWN=SOWN, CI=CI, **g), "mla_attention2", ns, __name__)
     k.geom = g
+    k.workers = (lambda H, M: Rkv // (G * CI) * H * M) if CI else None  # NP of a launch
     return k
 
 
+def _emit_combine2(s, G, NWC, CPC, US, KM=0, LMAX=0, SOWN=0, BTO=0, ld=None) -> None:
+    """Emit the v2 combine of one (column chunk cb, head h, token m) into ``s``: o_lat[m, h, cb*CW .. +CW) from the
+    partials of the ne non-empty splits of S (ne from L_dev exactly as the attention derives it; LMAX > 0: a launch
+    shared by prefix (attn_tc.shares_tc), below LMAX the FMA kernel's SOWN splits of BTO-key tiles, from LMAX the
+    tensor-core kernel's S of BT). Expects tid, w (of NWC warps), j (of G lanes), cb, h, m, M, H, S, Rkv and RS in
+    scope; lane j owns columns cb*CW + j + G*c, warp w the splits w, w + NWC, ..; ``ld(i)``: the load of part[i]."""
+    ld = ld or (lambda i: f"part[{i}]")
+    NT, CW = NWC * G, G * CPC
+    s("T = L_dev[0] + M")
+    if LMAX:
+        with s.block(f"if L_dev[0] < {LMAX}:"):
+            s(f"S = {SOWN}")
+            _split_keys(s, KM, str(BTO))
+        with s.block("else:"):
+            _split_keys(s, KM)
+    else:
+        _split_keys(s, KM)
+    s("ne = (T + kps - 1) // kps")
+    s("base0 = (m * H + h) * S * RS")
+    s(f"wts = cuda.shared.array({MAX_SPLITS_V2}, float32)")
+    s(f"red = cuda.shared.array({NT}, float32)")
+    s(f"red2 = cuda.shared.array(({NWC}, {CW}), float32)")
+    s("mx = NEG_INF")
+    with s.block(f"for sx in range(tid, ne, {NT}):"):
+        s(f"mx = max(mx, {ld('base0 + sx * RS + Rkv')})")
+    s("red[tid] = mx")
+    s(f"mx = tree_reduce(red, tid, {NT}, True)")
+    s("cuda.syncthreads()")
+    s("ls = float32(0.0)")
+    with s.block(f"for sx in range(tid, ne, {NT}):"):
+        s(f"ms = {ld('base0 + sx * RS + Rkv')}")
+        s("wv = float32(0.0)")
+        with s.block("if ms != NEG_INF:"):
+            s("wv = math.exp(ms - mx)")
+        s("wts[sx] = wv")
+        s(f"ls += wv * {ld('base0 + sx * RS + Rkv + 1')}")
+    s("red[tid] = ls")
+    s(f"inv = float32(1.0) / tree_reduce(red, tid, {NT}, False)  # its barriers publish wts too")
+    s(f"col0 = base0 + cb * {CW} + j")
+    for u in range(US):
+        s(" = ".join(f"a_{u}_{c}" for c in range(CPC)) + " = float32(0.0)")
+    s("sx = w")
+    with s.block(f"while sx + {(US - 1) * NWC} < ne:"):
+        for u in range(US):
+            s(f"wv_{u} = wts[sx + {u * NWC}]")
+            s(f"b_{u} = col0 + (sx + {u * NWC}) * RS")
+        for u in range(US):
+            for c in range(CPC):
+                s(f"a_{u}_{c} += wv_{u} * {ld(f'b_{u} + {G * c}')}")
+        s(f"sx += {US * NWC}")
+    with s.block("while sx < ne:"):
+        s("wv_0 = wts[sx]")
+        s("b_0 = col0 + sx * RS")
+        for c in range(CPC):
+            s(f"a_0_{c} += wv_0 * {ld(f'b_0 + {G * c}')}")
+        s(f"sx += {NWC}")
+    for c in range(CPC):
+        s(f"red2[w, j + {G * c}] = " + " + ".join(f"a_{u}_{c}" for u in range(US)))
+    s("cuda.syncthreads()")
+    with s.block(f"for cc in range(tid, {CW}, {NT}):"):
+        s("tot = red2[0, cc]")
+        for ww in range(1, NWC):
+            s(f"tot += red2[{ww}, cc]")
+        s(f"o_lat[m, h, cb * {CW} + cc] = tot * inv")
+
+
 def _combine2_source(G, NWC, CPC, US, KM=0, LMAX=0, SOWN=0, BTO=0, **_) -> str:
-    """LMAX > 0: a launch shared by prefix (attn_tc.shares_tc): below LMAX the partials are the FMA kernel's, SOWN
-    splits of BTO-key tiles; from LMAX the tensor-core kernel's, S splits of BT."""
+    """The v2 combine kernel: one block a (column chunk, head, token) (:func:`_emit_combine2`)."""
     s = Src()
     with s.block("def mla_combine2(part, S, L_dev, o_lat):"):
         s('"""v2 flash-decoding combine. part as written by the v2 attention (only its ne non-empty')
@@ -1239,62 +1387,7 @@ def _combine2_source(G, NWC, CPC, US, KM=0, LMAX=0, SOWN=0, BTO=0, **_) -> str:
         s("H = o_lat.shape[1]")
         s("Rkv = o_lat.shape[2]")
         s("RS = Rkv + 2")
-        s("T = L_dev[0] + M")
-        if LMAX:
-            with s.block(f"if L_dev[0] < {LMAX}:"):
-                s(f"S = {SOWN}")
-                _split_keys(s, KM, str(BTO))
-            with s.block("else:"):
-                _split_keys(s, KM)
-        else:
-            _split_keys(s, KM)
-        s("ne = (T + kps - 1) // kps")
-        s("base0 = (m * H + h) * S * RS")
-        s("wts = cuda.shared.array(MAXS, float32)")
-        s("red = cuda.shared.array(NT, float32)")
-        s("red2 = cuda.shared.array(RED2_SHAPE, float32)")
-        s("mx = NEG_INF")
-        with s.block("for sx in range(tid, ne, NT):"):
-            s("mx = max(mx, part[base0 + sx * RS + Rkv])")
-        s("red[tid] = mx")
-        s("mx = tree_reduce(red, tid, NT, True)")
-        s("cuda.syncthreads()")
-        s("ls = float32(0.0)")
-        with s.block("for sx in range(tid, ne, NT):"):
-            s("ms = part[base0 + sx * RS + Rkv]")
-            s("wv = float32(0.0)")
-            with s.block("if ms != NEG_INF:"):
-                s("wv = math.exp(ms - mx)")
-            s("wts[sx] = wv")
-            s("ls += wv * part[base0 + sx * RS + Rkv + 1]")
-        s("red[tid] = ls")
-        s("inv = float32(1.0) / tree_reduce(red, tid, NT, False)  # its barriers publish wts too")
-        s("col0 = base0 + cb * CW + j")
-        for u in range(US):
-            s(" = ".join(f"a_{u}_{c}" for c in range(CPC)) + " = float32(0.0)")
-        s("sx = w")
-        with s.block(f"while sx + {(US - 1) * NWC} < ne:"):
-            for u in range(US):
-                s(f"wv_{u} = wts[sx + {u * NWC}]")
-                s(f"b_{u} = col0 + (sx + {u * NWC}) * RS")
-            for u in range(US):
-                for c in range(CPC):
-                    s(f"a_{u}_{c} += wv_{u} * part[b_{u} + {G * c}]")
-            s(f"sx += {US * NWC}")
-        with s.block("while sx < ne:"):
-            s("wv_0 = wts[sx]")
-            s("b_0 = col0 + sx * RS")
-            for c in range(CPC):
-                s(f"a_0_{c} += wv_0 * part[b_0 + {G * c}]")
-            s(f"sx += {NWC}")
-        for c in range(CPC):
-            s(f"red2[w, j + {G * c}] = " + " + ".join(f"a_{u}_{c}" for u in range(US)))
-        s("cuda.syncthreads()")
-        with s.block("for cc in range(tid, CW, NT):"):
-            s("tot = red2[0, cc]")
-            for ww in range(1, NWC):
-                s(f"tot += red2[{ww}, cc]")
-            s("o_lat[m, h, cb * CW + cc] = tot * inv")
+        _emit_combine2(s, G, NWC, CPC, US, KM, LMAX, SOWN, BTO)
     return s.text()
 
 
@@ -1304,8 +1397,7 @@ def _combine2_kernel(BT: int, G: int, NWC: int, CPC: int, KM: int = 0, shared: t
     NT, CW = NWC * G, G * CPC
     if NT & (NT - 1):
         raise ValueError(f"combine block {NT} must be a power of two")
-    ns = dict(cuda=cuda, float32=float32, math=math, NEG_INF=NEG_INF, tree_reduce=_tree_reduce, BT=BT, G=G,
-              NWC=NWC, CPC=CPC, US=US, NT=NT, CW=CW, MAXS=MAX_SPLITS_V2, RED2_SHAPE=(NWC, CW))
+    ns = dict(cuda=cuda, float32=float32, math=math, NEG_INF=NEG_INF, tree_reduce=_tree_reduce, BT=BT, G=G)
     LMAX, SOWN, BTO = shared or (0, 0, 0)
     k = jit_source(_combine2_source(G=G, NWC=NWC, CPC=CPC, US=US, KM=KM, LMAX=LMAX, SOWN=SOWN, BTO=BTO), "mla_combine2",
                    ns, __name__)
@@ -1341,9 +1433,15 @@ def _mla_combine_v2(part, S: int, L_dev, o_lat, BT: int, stream=0, km: int = 0,
     k[(Rkv // k.cols, H, M), k.threads, stream](part, np.int64(S), L_dev, o_lat)
 
 
+@functools.lru_cache(maxsize=1)
+def _attn_sync():
+    """The sync words of the combine in the launch where the caller passes none (zero between launches)."""
+    return cuda.to_device(np.zeros(ATTN_SYNC_WORDS, dtype=np.int32))
+
+
 def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat, scratch, n_splits, stream,
                       params=None, split_keys: int | None = None, on_tc: bool | None = None, kv_hl=None,
-                      max_len: int | None = None) -> None:
+                      max_len: int | None = None, sync=None, combine_in: bool | None = None) -> None:
     """Version 2's attention: on tensor cores (kdt.kernels.attn_tc) where ``on_tc`` (default attn_tc.uses_tc, when
     no other geometry or split-keys floor is asked for), else the FMA kernel of this section. Token counts that the
     two kernels share by prefix (attn_tc.shares_tc) take the tensor cores from attn_tc.long_l(M) keys on: an L on
@@ -1351,7 +1449,8 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
     each returning at once outside its prefixes, into the same partials (the FMA kernel in its own count of them, the
     combine told which by L).
     ``kv_hl`` (None or the pre-split cache uint32 [max_len, Rkv + dr]) goes to the tensor-core kernel; the FMA kernel
-    ignores it."""
+    ignores it. The FMA kernel alone combines in its own launch where ``combine_in`` (default
+    :func:`combine_in_launch`), with ``sync`` (int32 [ATTN_SYNC_WORDS], zero; None: one kept by this module)."""
     from kdt.kernels import attn_tc  # (it builds on this module)
 
     M, H, Rkv = q_abs.shape
@@ -1390,17 +1489,27 @@ def _mla_attention_v2(q_abs, q_pe, c_kv_cache, k_pe_cache, L, vis, scale, o_lat,
     if on_tc or both:
         BT = attn_tc.attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, part, S, stream=stream,
                                kv_hl=kv_hl, LMIN=attn_tc.long_l(M) if both else 0)
+    ci = False  # the combine in the FMA kernel's launch
     if not on_tc:
         LX = attn_tc.long_l(M) if both else 0
         sown = min(S, _fma_splits(LX, M, H, Rkv, dr)) if both else 0  # its own splits below LX
-        k = _attention2_kernel(Rkv, dr, *prm, KM=km, LMAX=LX, SOWN=sown)
-        k[(cdiv(H, k.geom["R"]), M, S), k.geom["NT"], stream](q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis,
-                                                              np.float32(scale), o_lat, part)
+        nt = prm[0] * prm[2]  # the block's threads: the workers' tree reductions need a power of two
+        ci = S > 1 and not both and not nt & (nt - 1) and (combine_in_launch(M, S) if combine_in is None else
+                                                          combine_in)
+        k = _attention2_kernel(Rkv, dr, *prm, KM=km, LMAX=LX, SOWN=sown, CI=COMBINE_IN_CPC if ci else 0)
+        args = (q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, np.float32(scale), o_lat, part)
+        if ci:
+            sync = _attn_sync() if sync is None else sync
+            if sync.size < ATTN_SYNC_WORDS:
+                raise ValueError(f"mla_attention sync holds {sync.size} words, {ATTN_SYNC_WORDS} needed")
+            k[cdiv(H, k.geom["R"]) * M * S + k.workers(H, M), k.geom["NT"], stream](*args, sync, np.int64(S))
+        else:
+            k[(cdiv(H, k.geom["R"]), M, S), k.geom["NT"], stream](*args)
         if both:
             shared = (LX, sown, k.geom["BT"])
         else:
             BT = k.geom["BT"]
-    if S > 1:
+    if S > 1 and not ci:
         _mla_combine_v2(part, S, L_dev, o_lat, BT, stream=stream, km=0 if on_tc else km, shared=shared)
 
 
@@ -1641,6 +1750,11 @@ def _register() -> None:
             register_ptx(_attention2_kernel(rkv, d_r, 32, 4, NW, 1, _attn2_cg(rkv, 32, NW), PF),
                          (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1),
                          name=f"mla_attention2[Rkv={rkv},NW={NW},PF={int(PF)}]")
+    # the combine in the launch (COMBINE_IN_MAX_M): Moonlight / Kimi (4 warps) and the tiny fixture (one warp)
+    for rkv, d_r, NW in ((Rkv, dr, 4), (64, 16, 1)):
+        register_ptx(_attention2_kernel(rkv, d_r, 32, 4, NW, 1, _attn2_cg(rkv, 32, NW), 2, CI=COMBINE_IN_CPC),
+                     (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1, int32[::1], int64),
+                     name=f"mla_attention2[Rkv={rkv},NW={NW},PF=2,CI]")
     # below attn_tc's shared prefixes, as the engine's graphs launch it beside the tensor-core kernel (shares_tc)
     register_ptx(_attention2_kernel(Rkv, dr, 32, 4, 4, 1, _attn2_cg(Rkv, 32, 4), 2, LMAX=1024, SOWN=4),
                  (f32_3, f32_3, f32_2, f32_2, i64_1, u8_2, float32, f32_3, f32_1),

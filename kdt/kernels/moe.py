@@ -65,7 +65,21 @@ from numba import boolean, cuda, float32, float64, int32, int64, uint16, uint64
 
 from kdt.kernels import elementwise as ew
 from kdt.kernels import tc
-from kdt.kernels.common import IS_SIM, WARP, cdiv, f32_to_bf16_bits, grid_dependency_wait, ldcg2, ldcs3, register_ptx
+from kdt.kernels.common import (
+    IS_SIM,
+    SYNC_COPIES,
+    SYNC_LINE,
+    WARP,
+    cdiv,
+    f32_to_bf16_bits,
+    grid_dependency_wait,
+    ldcg2,
+    ldcs3,
+    register_ptx,
+    sync_poll,
+    sync_raise,
+    sync_ticket,
+)
 from kdt.kernels.linear import linear
 
 # kdt.kernels.tc's names that kernels A, B and C reach past their parameter ``tc`` (the tensor cores' token tiles)
@@ -921,14 +935,9 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
 # In one launch, B's blocks start as soon as A's last blocks are dispatched and wait, resident, on a flag: the
 # grouping block raises the routed flag when the grouping is written (after its threadfence), the last shared
 # gate_up block to finish (a count) the shared flag. No deadlock whatever order the hardware dispatches blocks
-# in: a block's role is its ticket (an atomic counter at its start, as CUB's decoupled look-back takes tile ids),
-# so every role block a waiter waits on has started and waits on nothing. Each flag has _SYNC_COPIES copies, one
-# 128-byte line each: a waiter polls copy (its role index mod _SYNC_COPIES) with an atomic read (an atomic: a plain
-# or ld.cg load in a loop may be hoisted out of it) and nanosleep between polls, so the ~1000 waiters of Moonlight's
-# layer spread over 32 L2 lines. The last B block to pass resets every word the launch wrote (tickets, counts,
-# flags) for the next launch: every ticket has been taken and every flag read by then. Waiters read what A wrote
-# only after their flag, through L1 lines that no block of the launch loaded before (L1 starts empty at a kernel's
-# launch). The simulator runs blocks one after another in ticket order: a wait there checks that its flag is up.
+# in: a block's role is its ticket (kdt.kernels.common's section on blocks that wait, whose helpers these are), so
+# every role block a waiter waits on has started and waits on nothing; ~1000 waiters of Moonlight's layer spread
+# over SYNC_COPIES L2 lines. The last B block to pass resets every word the launch wrote (tickets, counts, flags).
 # Prediction (H200, Moonlight M = 1, session 23's in-graph times A 14.8 + B 23.3 us):
 # the routed gate_up (69 MB, ~16 us of bytes) starts when the routing ends (~12.4 us) and the shared experts'
 # 23 MB run beside the routing: ~29-31 us, 5-8 us a layer, 130-200 us of the 2.86 ms AR step. Measured (session 24,
@@ -940,45 +949,10 @@ def _v2_route_token(logits, bias, m, valid, E, n_group, topk_group, top_k, norm,
 # Since then the routing block's one round at M = 1 (see _v2_route_body) and the reset of only the words a launch
 # wrote (_ab_wait) took kernel AB to 95 registers, no spills: not measured on the H200 yet.
 AB_MAX_M = int(os.environ.get("KDT_MOE_AB_M", "1"))  # kernel AB at M <= this (0: kernels A and B apart)
-_SYNC_LINE = 32  # int32 words of a 128-byte line
-_SYNC_COPIES = 32  # copies of each flag, one line each
 _SYNC_TICKET, _SYNC_SHARED, _SYNC_PASSED = 0, 1, 2  # line 0: role tickets, shared gate_up blocks done, B blocks passed
-_SYNC_ROUTED = _SYNC_LINE  # the routed flag's copies: lines 1 .. _SYNC_COPIES
-_SYNC_SHARED_DONE = _SYNC_LINE * (1 + _SYNC_COPIES)  # the shared flag's copies: the next _SYNC_COPIES lines
-SYNC_WORDS = _SYNC_LINE * (1 + 2 * _SYNC_COPIES)  # MoEScratch.sync: int32, zero between launches
-_SPIN_NS = 200  # a waiter's sleep between polls
-
-
-@_device
-def _ab_ticket(sync):
-    """This block's role index: the next ticket of the launch."""
-    v = cuda.shared.array(1, int32)
-    if cuda.threadIdx.x == 0:
-        v[0] = cuda.atomic.add(sync, _SYNC_TICKET, 1)
-    cuda.syncthreads()
-    return v[0]
-
-
-@_device
-def _ab_raise(sync, flag):
-    """Every copy of ``flag`` up (one thread; the block has fenced its writes)."""
-    for c in range(_SYNC_COPIES):
-        sync[flag + c * _SYNC_LINE] = 1
-
-
-if IS_SIM:
-
-    def _ab_poll(sync, i):
-        if sync[i] == 0:  # blocks run one after another, in ticket order: the flag must be up already
-            raise RuntimeError(f"kernel AB: a block waits on sync[{i}], which no earlier block raised")
-
-else:
-
-    @_device
-    def _ab_poll(sync, i):
-        while cuda.atomic.add(sync, i, 0) == 0:
-            cuda.nanosleep(_SPIN_NS)
-
+_SYNC_ROUTED = SYNC_LINE  # the routed flag's copies: lines 1 .. SYNC_COPIES
+_SYNC_SHARED_DONE = SYNC_LINE * (1 + SYNC_COPIES)  # the shared flag's copies: the next SYNC_COPIES lines
+SYNC_WORDS = SYNC_LINE * (1 + 2 * SYNC_COPIES)  # MoEScratch.sync: int32, zero between launches
 
 @_device
 def _ab_wait(sync, flag, copy, nb):
@@ -987,14 +961,14 @@ def _ab_wait(sync, flag, copy, nb):
     flags' copies) back to zero for the next launch. (A reset of all SYNC_WORDS by every thread of the block,
     a loop of runtime stride, cost B's role body 17 registers: 96 against 79, ptxas -v.)"""
     if cuda.threadIdx.x == 0:
-        _ab_poll(sync, flag + copy * _SYNC_LINE)
+        sync_poll(sync, flag + copy * SYNC_LINE)
         cuda.threadfence()
         if cuda.atomic.add(sync, _SYNC_PASSED, 1) == nb - 1:
             sync[_SYNC_TICKET] = 0
             sync[_SYNC_SHARED] = 0
             sync[_SYNC_PASSED] = 0
-            for c in range(2 * _SYNC_COPIES):
-                sync[_SYNC_ROUTED + c * _SYNC_LINE] = 0  # the routed flag's copies, then the shared flag's
+            for c in range(2 * SYNC_COPIES):
+                sync[_SYNC_ROUTED + c * SYNC_LINE] = 0  # the routed flag's copies, then the shared flag's
     cuda.syncthreads()
 
 
@@ -1232,7 +1206,7 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
                 cuda.threadfence()
                 cuda.syncthreads()
                 if tid == 0:
-                    _ab_raise(sync, _SYNC_ROUTED)
+                    sync_raise(sync, _SYNC_ROUTED)
         elif TCS:  # ---- the same on tensor cores: 16 outputs of Is a block, all M tokens or (split) one pass ----
             o, p0, p1 = _tc_shared_block(bid - nlb, sgu.shape[1] // 2, TC_ROWS, M, TSPLIT, PASS)
             gate_up_tc(o, sgu, 0, b, p0, p1, counts, h_shared)  # (counts: not read)
@@ -1269,7 +1243,7 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
                 cuda.syncthreads()
                 if tid == 0 and cuda.atomic.add(sync, _SYNC_SHARED, 1) == n_a - nlb - 1:
                     cuda.threadfence()
-                    _ab_raise(sync, _SYNC_SHARED_DONE)
+                    sync_raise(sync, _SYNC_SHARED_DONE)
 
     body = _device(body)
     _V2_CACHE[key] = body
@@ -1593,7 +1567,7 @@ def _v2_gate_up_body(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs:
         sb = bid if SDF else bid - J * ntg
         if WAIT:
             routed = 0 <= rb < J * ntg
-            _ab_wait(sync, _SYNC_ROUTED if routed else _SYNC_SHARED_DONE, bid % _SYNC_COPIES, nb)
+            _ab_wait(sync, _SYNC_ROUTED if routed else _SYNC_SHARED_DONE, bid % SYNC_COPIES, nb)
         if 0 <= rb < J * ntg:
             j = rb // ntg
             if j >= n_active[0]:
@@ -1661,7 +1635,7 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb, wgu, h,
              sdn, y_shared, ntg, J, n_a, sync):
         grid_dependency_wait()
-        v = _ab_ticket(sync)
+        v = sync_ticket(sync, _SYNC_TICKET)
         if v < n_a:
             body_a(v, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
                    sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb,
