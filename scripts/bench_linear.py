@@ -4,6 +4,7 @@
                                    [--big-M 512,2048] [--sweep] [--json PATH]
     python scripts/bench_linear.py --fixture fixtures/model_code.h5 [--M 1,16,17,32] [--json PATH]
     python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,256 --tc 64 [--jobs 14]   # tensor cores
+    python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,65,256 --tiled   # the block-tiled GEMM
 
 Times each kernel like ``python -m kdt.kernels.bench`` (kdt/kernels/bench.py: launches queued behind
 a spin kernel, CUDA events around the batch; weights rotated over >= 128 MB of copies so each launch
@@ -190,6 +191,42 @@ def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int]) -> list[dic
     return rows
 
 
+def bench_tiled(presets: list[str], Ms: list[int]) -> list[dict]:
+    """The tensor-core warp tile (``linear_tc``'s default plan) against the block-tiled GEMM (kdt.kernels.tc_tiled,
+    its default plan) per shape and M, each on float32 x and on hi / lo x; their outputs' relative difference."""
+    from kdt.kernels import tc_tiled
+
+    bw = copy_bandwidth()
+    rows = []
+    print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s")
+    print(f"{'shape':34s} {'M':>5s} {'tc us':>9s} {'tiled us':>9s} {'tc hilo':>9s} {'tiled hilo':>10s} "
+          f"{'x bytes':>8s} {'tiled TF/s':>10s} {'plan':>18s} {'rel diff':>9s}")
+    for name in presets:
+        for layer, N, K in shapes(name):
+            if K % tc_tiled.BK:
+                continue
+            Ws = [rand((N, K), np.uint16, 1 / np.sqrt(K)) for _ in range(min(16, cdiv(128 << 20, N * K * 2)))]
+            for M in Ms:
+                x = rand((M, K))
+                xh = cuda.to_device(tc.hilo_np(x.copy_to_host()))
+                ys = [cuda.device_array((M, N), np.float32) for _ in range(4)]
+                fns = [rotating(lin.linear_tc, Ws, x, ys[0]), rotating(tc_tiled.tiled_gemm, Ws, x, ys[1]),
+                       rotating(lin.linear_tc, Ws, xh, ys[2]), rotating(tc_tiled.tiled_gemm, Ws, xh, ys[3])]
+                us = [timed(f, estimate_us(f)) for f in fns]
+                for f in fns:
+                    f(0)
+                a = ys[0].copy_to_host().astype(np.float64)
+                diff = max(float(np.linalg.norm(a - y.copy_to_host()) / max(np.linalg.norm(a), 1e-30)) for y in ys[1:])
+                floor_us = N * K * 2 / bw * 1e6
+                row = dict(preset=name, layer=layer, M=M, N=N, K=K, us_tc=us[0], us_tiled=us[1], us_tc_hilo=us[2],
+                           us_tiled_hilo=us[3], bytes_us=floor_us, plan=tc_tiled.plan(M), rel_diff=diff,
+                           TFLOPps_tiled=2 * M * N * K / min(us[1], us[3]) * 1e-6)
+                rows.append(row)
+                print(f"{layer + f' N={N} K={K}':34s} {M:5d} {us[0]:9.1f} {us[1]:9.1f} {us[2]:9.1f} {us[3]:10.1f} "
+                      f"{floor_us:8.1f} {row['TFLOPps_tiled']:10.1f} {str(row['plan']):>18s} {diff:9.1e}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="moonlight-16b-a3b,kimi-k2")
@@ -201,7 +238,15 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="--tc: compile the plans first in this many processes")
     ap.add_argument("--tc", default=None, metavar="M,..", help="instead: v2 against the tensor-core kernel at "
                     "--M, with a sweep of its plans at these M")
+    ap.add_argument("--tiled", action="store_true", help="instead: the tensor-core warp tile against the block-tiled "
+                    "GEMM (kdt.kernels.tc_tiled) at --M")
     args = ap.parse_args(argv)
+    if args.tiled:
+        rows = bench_tiled(args.presets.split(","), [int(m) for m in args.M.split(",") if m])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"tiled": rows}, f, indent=1)
+        return 0
     if args.tc is not None:
         if args.jobs > 1:
             Ms = [int(m) for m in args.M.split(",") if m]

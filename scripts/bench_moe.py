@@ -100,7 +100,9 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             ("tc_ot2", r(t, tc_ot=2)), ("tc_ot2_hilo", r(t, tc_ot=2, tc_hilo=True)),
             ("tc_ot2_rows4", r(t, tc_ot=2, tc_rt=4)),
             ("tc_ot2_st3", r(t, tc_ot=2, tc_hilo=True, tc_st=3)),
-            ("tc_nofit" if t.tc_fit else "tc_fit", r(t, tc_fit=not t.tc_fit))]  # short passes on fewer token tiles
+            ("tc_nofit" if t.tc_fit else "tc_fit", r(t, tc_fit=not t.tc_fit)),  # short passes on fewer token tiles
+            # kernel B's routed gate_up on the block-tiled GEMM (kdt.kernels.tc_tiled; x hi / lo), or not
+            ("tc_untiled", r(t, tiled=False)) if t.tiled else ("tc_tiled", r(t, tc_hilo=True, tiled=True))]
     tcv = r(t, tc=2, jc=1, tc_split=True)  # tensor cores below their first M (bf16; other weights: the FMA tiles)
     tcs = [("tc2", tcv), ("tc2_fit", r(tcv, tc_fit=True)), ("tc2_fit_hilo", r(tcv, tc_fit=True, tc_hilo=True))
            ] if 8 <= M < moe.TC_MIN_M else []

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1427,7 +1427,31 @@ s36b)  # session 36, issue 7: Moonlight's whole programs in their graphs (the AR
     --launches none --pdl-ab --combine-in-ab --json "$OUT/profile-graphs-$day-moonlight-s36b.json"
   grep -h "==\|step\|forward\|empty\|build\|PDL\|Error\|error" "$OUT/profile_ab.log" | grep -v "^ *[0-9]" \
     | cut -c1-150 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b"; exit 2 ;;
+s36c)  # session 36, issue 7: the block-tiled tensor-core GEMM (kdt.kernels.tc_tiled, KDT_LINEAR_TILED_M): its gpu tests
+  # (the lm_head at 65 tokens, [q_a | kv_a] at 16, the dense MLP at 100 / 256, ragged shapes; the fixtures' matrices
+  # are below linear_tc's size, so kdt verify never meets it), then Moonlight's projections at 16 .. 256 tokens, the
+  # warp tile against the tiled GEMM, float32 and hi / lo x, alone
+  step tiled_tests ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_kernels_tc.py -k tiled -p no:cacheprovider -rf
+  grep -h "^FAILED\|^ERROR\|passed\|failed" "$OUT/tiled_tests.log" | cut -c1-300
+  step linear_tiled ${BENCH_TIMEOUT:-240} python3 scripts/bench_linear.py --presets moonlight-16b-a3b \
+    --M 16,32,64,65,128,256 --tiled --json "$OUT/linear-tiled-$day-moonlight-s36c.json"
+  grep -h "N=\|bandwidth\|Error\|error" "$OUT/linear_tiled.log" | cut -c1-150 ;;
+s36e)  # session 36, issue 7: the MoE's routed gate_up on the block-tiled GEMM (KDT_MOE_TILED_M): the Moonlight layer
+  # at 65 / 128 / 256 tokens, the default against "tc_tiled", alone; then its gpu tests (the layer at Moonlight's
+  # shape, 65 / 256 tokens, against float64)
+  step moe_tiled ${MOE_TIMEOUT:-300} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65,128,256 --sweep \
+    --jobs 12 --only "v2,v2 tc_tiled" --json "$OUT/moe-$day-moonlight-tiled-s36e.json"
+  grep -h "moonlight\|Error\|error" "$OUT/moe_tiled.log" | cut -c1-150
+  step moe_tiled_tests ${TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_kernels_moe.py -k "tiled1" \
+    -p no:cacheprovider -rf
+  grep -h "^FAILED\|^ERROR\|passed\|failed" "$OUT/moe_tiled_tests.log" | cut -c1-300 ;;
+s36d)  # session 36, issue 7: kdt bench on the Moonlight shape with the tiled GEMM from 16 tokens (KDT_LINEAR_TILED_M=16),
+  # alone; its decode rows say where DDTree leaves AR's tokens (leaves_ar_at)
+  export KDT_LINEAR_TILED_M=16
+  step bench_moonlight ${BENCH_TIMEOUT:-480} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-tiled-s36d.json"
+  tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -642,6 +642,32 @@ def test_moe_forward_fit_same_bits(rng, M, k, tiles):
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("M,shared", [(21, 2), (41, 0)])
+def test_moe_forward_tiled_gate_up(rng, M, shared):
+    """V2Tiles.tiled: kernel B's routed gate_up on the block-tiled GEMM (kdt.kernels.tc_tiled.tiled_gate_up_kernel, a
+    launch of its own; B keeps the shared down, or is not launched without shared experts), against float64 and within
+    the bound of the warp tile's layer. Every token takes expert 0 (its bias): 21 tokens in one pass of the
+    simulator's 32, 41 in two; the other picks leave experts with a few; I = 40: three output blocks of 16, the last
+    partial."""
+    cfg = _cfg(**dict(_V2_SKEW, hidden_size=64, moe_intermediate_size=40, n_shared_experts=shared))
+    w = _layer_weights(rng, cfg)
+    w[PREFIX + "gate.e_score_correction_bias"][0] += 3.0
+    b = _draw_b(rng, cfg, w, M)
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
+    tiled = replace(V2_SIM_TILES["tc_hilo"], tiled=True)
+    scratch = moe.MoEScratch.allocate(cfg, M)
+    names = [ln.name for ln in moe.v2_launches(None, layer, scratch, None, M, False, tiled)]
+    assert [n[0] for n in names] == (["A", "G", "B", "C"] if shared else ["A", "G", "C"]), names
+    got, scratch = _run_forward(cfg, w, b, BF16, M_max=M, accumulate=False, tiles=tiled, layer=layer, version=2)
+    warp_tile, _ = _run_forward(cfg, w, b, BF16, M_max=M, accumulate=False, tiles=V2_SIM_TILES["tc_hilo"],
+                                layer=layer, version=2)
+    ref = MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))
+    assert rel_err(got, ref) < BF16_BOUND and rel_err(got, warp_tile) < BF16_BOUND
+    counts = scratch.counts.copy_to_host()
+    assert counts[0] == M, counts
+
+
+@pytest.mark.kernels
 def test_moe_forward_ab_reruns(rng):
     """Kernel AB (kernels A and B in one launch, the default at M = 1) three times on one scratch with new
     tokens each time, each against the float64 layer and bit-identical to kernels A and B apart: the launch
@@ -800,17 +826,22 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
 @pytest.mark.parametrize("M,tiles", [
     (32, dict(tc_hilo=True, tc_st=3)), (65, dict(tc_hilo=True, tc_st=4)), (65, dict(tc_hilo=True, tc_st=5)),
     (65, dict(tc_ot=2)), (65, dict(tc_ot=2, tc_rt=4)), (32, dict(tc_ot=2, tc_hilo=True, tc_st=3)),
-    (65, dict(tc_fit=False)), (128, dict(tc_fit=False)), (32, dict(tc_fit=False, tc_hilo=False))],
+    (65, dict(tc_fit=False)), (128, dict(tc_fit=False)), (32, dict(tc_fit=False, tc_hilo=False)),
+    (65, dict(tiled=True)), (256, dict(tiled=True))],
     ids=lambda p: "-".join(f"{k}{int(v)}" for k, v in p.items()) if isinstance(p, dict) else str(p))
 def test_moe_forward_moonlight_tiles(rng, moonlight, M, tiles):
     """Version 2 at Moonlight's shape, bf16, in tensor-core tiles the default does not take, against float64: the
     routed GEMMs' loads staged through shared memory (tc_st, hi / lo x), kernel B's routed gate_up on 2 output tiles
     a warp (tc_ot; with kernel C's down on 4 row tiles; staged), session 34's full passes (tc_fit off; the default's
-    bits, short passes fitted, are then checked against them) with x as it had it (float32 at 2 token tiles)."""
+    bits, short passes fitted, are then checked against them) with x as it had it (float32 at 2 token tiles), kernel
+    B's routed gate_up on the block-tiled GEMM (tiled: a launch of its own before B)."""
     cfg, w, _ = moonlight
     layer, ref, scratch = _moonlight_layer(moonlight, BF16)
     t = replace(moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size), **tiles)
     names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, t)]
+    if t.tiled:  # (then kernels B and C as below)
+        assert names[1] == "tiled_gate_up", names
+        names = names[:1] + names[2:]
     assert not t.tc_st or f"_st{t.tc_st}" in names[1] and f"_st{t.tc_st}" in names[2], names  # (kernels B and C)
     assert t.tc_ot == 1 or f"_ot{t.tc_ot}" in names[1], names
     assert (t.tc_fit and not t.tc_st) == ("_fit" in names[1]) == ("_fit" in names[2]), names  # (staged: never fit)

@@ -86,6 +86,81 @@ def test_tc_gemm_gpu(rng, M, N, K, rt, nt, u, nw, xl, kw, st):
     assert err < BOUND, f"rel_err {err:.3g}"
 
 
+def _tiled(rng, M, N, K, plan, xl, accumulate):
+    """kdt.kernels.tc_tiled on fresh inputs (y poisoned, or random and accumulated into); (rel_err, rel_err with bf16
+    x) against float64 on the bf16 weights."""
+    from kdt.kernels import tc_tiled
+
+    W = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
+    bits = f32_to_bf16_bits(W)
+    X = rng.standard_normal((M, K)).astype(np.float32)
+    y0 = rng.standard_normal((M, N)).astype(np.float32) if accumulate else poisoned((M, N))
+    y = cuda.to_device(y0)
+    tc_tiled.tiled_gemm(cuda.to_device(tc.hilo_np(X) if xl == HILO else X), cuda.to_device(bits), y, accumulate,
+                        plan_=plan)
+    Wseen = bf16_bits_to_f32(bits).astype(np.float64)
+    ref = X.astype(np.float64) @ Wseen.T + (y0 if accumulate else 0.0)
+    x_bf16 = bf16_bits_to_f32(f32_to_bf16_bits(X)).astype(np.float64)
+    return rel_err(y.copy_to_host(), ref), rel_err(x_bf16 @ Wseen.T, ref)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,N,K,plan,xl,accumulate", [
+    (13, 40, 64, (1, 2, 1, 1, 2), HILO, False),  # 2 steps through a ring of 2; partial token tile, partial row block
+    (21, 24, 128, (1, 2, 1, 2, 3), NAT, True),  # float32 x split as it is loaded; 4 steps through a ring of 3
+    (20, 40, 96, (2, 1, 1, 1, 3), HILO, True),  # 2 row tiles' warps; 3 token blocks, the last of 4 tokens
+])
+def test_tc_tiled_gemm(rng, M, N, K, plan, xl, accumulate):
+    """The block-tiled GEMM (kdt.kernels.tc_tiled: weight and x tiles staged by cp.async in a ring of stages, warps
+    on row tiles x token tiles of them) against float64, at the simulator's small plans (wn, wm, rt, tt, st)."""
+    if not IS_SIM:
+        pytest.skip("simulator shapes (the GPU's are in test_tc_tiled_gemm_gpu)")
+    err, err_bf16_x = _tiled(rng, M, N, K, plan, xl, accumulate)
+    assert err < BOUND, f"rel_err {err:.3g}"
+    assert err_bf16_x > 10 * BOUND  # the bound tells a kernel without the lo half of x
+
+
+@pytest.mark.kernels
+def test_linear_tc_takes_the_tiled_gemm_from_tiled_min_m(rng, monkeypatch):
+    """linear_tc runs the block-tiled GEMM from kdt.kernels.linear.TILED_MIN_M tokens, where K % 32 == 0 and x is
+    contiguous (a column slice of x keeps the warp tile), with the same result to the bound."""
+    from kdt.kernels import linear as lin
+    from kdt.kernels import tc_tiled
+
+    if not IS_SIM:
+        pytest.skip("simulator shapes")
+    calls = []
+    run = tc_tiled.tiled_gemm
+    monkeypatch.setattr(tc_tiled, "tiled_gemm", lambda *a, **k: calls.append(1) or run(*a, **k))
+    monkeypatch.setattr(lin, "TILED_MIN_M", 9)
+    M, N, K = 11, 24, 64
+    W = f32_to_bf16_bits((rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32))
+    X = rng.standard_normal((M, 2 * K)).astype(np.float32)
+    ref = X[:, :K].astype(np.float64) @ bf16_bits_to_f32(W).astype(np.float64).T
+    for x, tiled in ((cuda.to_device(np.ascontiguousarray(X[:, :K])), True), (cuda.to_device(X)[:, :K], False),
+                     (cuda.to_device(np.ascontiguousarray(X[:8, :K])), False)):
+        y = cuda.to_device(poisoned((x.shape[0], N)))
+        n = len(calls)
+        lin.linear_tc(x, cuda.to_device(W), y)
+        assert (len(calls) > n) == tiled
+        assert rel_err(y.copy_to_host(), ref[: x.shape[0]]) < BOUND
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,xl", [
+    (65, 163840, 2048, HILO),  # Moonlight's lm_head in a budget-64 verify
+    (16, 3648, 2048, HILO),  # [q_a | kv_a], 16 tokens (one token tile a warp)
+    (256, 22528, 2048, NAT),  # the dense gate_up, a 256-token chunk: two token blocks of 128
+    (100, 2048, 11264, NAT),  # the dense down: long K
+    (37, 1000, 1024, HILO),  # ragged M and N
+])
+def test_tc_tiled_gemm_gpu(rng, M, N, K, xl):
+    """The block-tiled GEMM at its default plans (kdt.kernels.tc_tiled.plan) against float64, y accumulated into."""
+    err, _ = _tiled(rng, M, N, K, None, xl, accumulate=True)
+    assert err < BOUND, f"rel_err {err:.3g}"
+
+
 @cuda.jit
 def _split_kernel(x, hi, lo):
     i = cuda.grid(1)

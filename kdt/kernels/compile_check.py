@@ -16,7 +16,7 @@ import importlib
 import sys
 import time
 
-MODULES = ("linear", "elementwise", "mla", "attn_tc", "moe", "ddtree", "randn", "tc")
+MODULES = ("linear", "elementwise", "mla", "attn_tc", "moe", "ddtree", "randn", "tc", "tc_tiled")
 
 
 def parse_shard(argv: list[str]) -> tuple[int, int]:

@@ -67,7 +67,7 @@ import numpy as np
 from numba import boolean, cuda, float32, int32, int64, uint16, uint32, uint64
 
 from kdt.kernels import elementwise as ew
-from kdt.kernels import tc
+from kdt.kernels import tc, tc_tiled
 from kdt.kernels.common import IS_SIM, WARP, Src, bf16_to_f32, cdiv, jit_source, ldcg3, register_ptx
 from kdt.reference.ops import linear as linear_ref  # noqa: F401  (re-exported for tests / callers)
 
@@ -166,6 +166,11 @@ FUSE_GLU = os.environ.get("KDT_LINEAR_FUSE_GLU", "0") == "1"
 # (2048 x 11264) 48.2 / 53.6 at M = 16 (v2 wins: 64 blocks, long K), 148.4 / 101.5 at M = 64. So on from M = 16
 # (env KDT_LINEAR_TC_M; 0: never), except K > TC_LONG_K N below M = 32.
 TC_MIN_M = int(os.environ.get("KDT_LINEAR_TC_M", "16"))
+# The block-tiled tensor-core GEMM (kdt.kernels.tc_tiled, session 36: weight and x tiles staged in shared memory, a
+# weight fragment on up to 8 token tiles) in place of the warp tile from TILED_MIN_M tokens where K % 32 == 0 and x is
+# contiguous. Env KDT_LINEAR_TILED_M; 0 (off) until the H200 times it (predicted: the lm_head at 64 / 256 tokens from
+# 609 / 2296 us toward ~250 / ~900).
+TILED_MIN_M = int(os.environ.get("KDT_LINEAR_TILED_M", "0"))
 TC_LONG_K = 4
 TC_MIN_WEIGHTS = 1 << 20
 # A tensor-core linear after a norm (``linear(..., norm=...)``: the lm_head, [q_a | kv_a]) has the norm write x
@@ -812,6 +817,9 @@ def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int,
     if _weight_kind(W) != "bf16" or K % 4 or not W.is_c_contiguous():
         raise ValueError(f"linear_tc: needs bf16 weights, contiguous, K a multiple of 4 (got {W.dtype} K={K})")
     if M == 0 or N == 0:
+        return
+    if plan is None and 0 < TILED_MIN_M <= M and K % tc_tiled.BK == 0 and x.is_c_contiguous():
+        tc_tiled.tiled_gemm(x, W, y, accumulate, stream)
         return
     rt, nt, u, nw, kw = plan or tc_plan(M, N)
     kern = tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO if hilo else tc.XL_NATURAL, kw)

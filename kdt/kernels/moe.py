@@ -64,12 +64,13 @@ import numpy as np
 from numba import boolean, cuda, float32, float64, int32, int64, uint16, uint64
 
 from kdt.kernels import elementwise as ew
-from kdt.kernels import tc
+from kdt.kernels import tc, tc_tiled
 from kdt.kernels.common import (
     IS_SIM,
     SYNC_COPIES,
     SYNC_LINE,
     WARP,
+    allow_dynamic_shared,
     cdiv,
     f32_to_bf16_bits,
     grid_dependency_wait,
@@ -1290,6 +1291,12 @@ TC_SPLIT = os.environ.get("KDT_MOE_TC_SPLIT", "1") != "0"
 # M = 65 575.1 / 560.8 / **537.3**; M = 128 (hi / lo) 709.2 / **696.7**; at M = 16 the FMA tiles 399.3, tensor
 # cores on 2 tiles 409.0 / 334.7 / **321.7**. Env KDT_MOE_TC_FIT=0 with KDT_MOE_TC_M=32: session 34's tiles.
 TC_FIT = os.environ.get("KDT_MOE_TC_FIT", "1") != "0"
+# Kernel B's routed gate_up on the block-tiled GEMM (kdt.kernels.tc_tiled.tiled_gate_up_kernel, ``V2Tiles.tiled``;
+# session 36) from TILED_MIN_M tokens, where the GEMMs take x hi / lo and D % 32 == 0: each block stages an expert's
+# 64 gate and 64 up rows and its gathered tokens in shared memory, 8 warps on them; B keeps the shared down, in a
+# launch of its own after it. At 256 tokens B's routed gate_up was 475 us for ~173 us of bytes (s30a). Env
+# KDT_MOE_TILED_M; 0 (off) until the H200 times it.
+TILED_MIN_M = int(os.environ.get("KDT_MOE_TILED_M", "0"))
 
 
 @cuda.jit(device=True, inline=True)
@@ -1790,6 +1797,8 @@ class V2Tiles:
     down) GEMMs with at most 8 (16) tokens takes 1 (2) token tiles instead of tc: at 65 tokens (tc = 2, ~6 tokens an
     expert) most passes' second tile is padding, its mma and x loads spent for nothing. The sums are the same bits (a
     token column's are its own). Not staged (tc_st). On with tc (``TC_FIT``: its comment has session 35's times).
+    tiled: kernel B's routed gate_up on the block-tiled GEMM, a launch of its own before B's shared down (with
+    tc_hilo; ``TILED_MIN_M``).
     """
 
     nw: int = 4
@@ -1817,6 +1826,7 @@ class V2Tiles:
     tc_st: int = 0
     tc_ot: int = 1
     tc_fit: bool = False
+    tiled: bool = False
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -1854,6 +1864,7 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     if uses_tc(M, top_k, E, D) and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
         tiles = _tc_tiles(M)  # jc = 1: a block of kernel C is one expert's pass
         t = replace(t, tc=tiles, jc=1, tc_hilo=TC_HILO and (TC_FIT or tiles == 4), tc_split=TC_SPLIT, tc_fit=TC_FIT)
+        t = replace(t, tiled=t.tc_hilo and 0 < TILED_MIN_M <= M)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
@@ -1907,8 +1918,12 @@ class V2Launch:
     head: int
     args: tuple
 
+    smem: int = 0  # bytes of dynamic shared memory
+
     def __call__(self, stream=0, grid: int | None = None) -> None:
-        self.kernel[self.grid if grid is None else grid, self.threads, stream](*self.args)
+        if self.smem:
+            allow_dynamic_shared(self.kernel, self.args, self.smem)
+        self.kernel[self.grid if grid is None else grid, self.threads, stream, self.smem](*self.args)
 
 
 def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
@@ -1936,6 +1951,8 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         t = replace(t, tc=0)
     if t.tc_st and (not t.hilo(L._epw) or D % 8 or I % 8):  # staged loads copy 16-byte hi / lo words of x
         t = replace(t, tc_st=0)
+    if t.tiled and (not t.hilo(L._epw) or D % tc_tiled.BK or t.ab):  # (its x tiles: hi / lo words of 32 elements)
+        t = replace(t, tiled=False)
     ka, kb, kc = _v2_kernels(t, L._epw)
     J = min(E, M * k)
     has_shared = L._sgu is not None
@@ -1972,6 +1989,13 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         x_in("h"), L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
         out if tee is None else tee,  # (never written without a tee)
         S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared), tee is not None))
+    if t.tiled:  # the routed gate_up on the tiled GEMM, then B's shared down alone (J = 0: no routed blocks)
+        kg = tc_tiled.tiled_gate_up_kernel(*tc_tiled.gate_up_plan(M, k, E))
+        ng = J * cdiv(I, kg.tile[0] // 2)
+        g = V2Launch("G gate_up (tiled)", kg, ng, 32 * kg.plan[1] * kg.plan[2], ng, (
+            x_in("b_perm"), L._gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts, S.sorted_rows), kg.smem)
+        bb = replace(bb, name="B shared_down", grid=nsd, head=nsd, args=bb.args[:-1] + (0,))
+        return [a, g, bb, c] if nsd else [a, g, c]
     if t.ab:  # one grid: A's role blocks, then B's; no prefix of it runs alone (the last B block resets sync)
         ab = V2Launch("AB route+shared_gate_up+gate_up+shared_down", _v2_ab_kernel(t, L._epw), a.grid + bb.grid,
                       t.nw * WARP, a.grid + bb.grid, a.args + (L._gu, S.h, sdn, S.y_shared, int(ntg), int(J),
