@@ -224,7 +224,10 @@ def _emit_prologue(s, doc: str) -> None:
     s("g = lane // 4")
     s("t = lane % 4")
     s("sm = cuda.shared.array(0, uint64)")
-    s("frag = cuda.shared.array(FRAG, int64)")
+    if IS_SIM:
+        s("frag = cuda.shared.array(FRAG, int64)  # the simulator's mma exchange")
+    else:  # (no static shared memory beside the dynamic array: cp.async needs its 16-byte alignment at offset 0)
+        s("frag = int64(0)")
 
 
 def _source(WN, RT, TT, ST, HILO, BN, BM, XOFF) -> str:
