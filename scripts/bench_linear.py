@@ -191,6 +191,30 @@ def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int]) -> list[dic
     return rows
 
 
+def _compile_tiled(job) -> tuple:
+    """One process of ``--tiled --jobs``: compile the tiled GEMM of plan ``job[0]`` on hi / lo (``job[1]``) or float32
+    x into the disk cache (tiny operands: the kernel depends on the plan and the argument types only)."""
+    from kdt.kernels import tc_tiled
+
+    plan, hilo = job
+    x = cuda.device_array((8, 16), np.uint64) if hilo else rand((8, 32))
+    tc_tiled.tiled_gemm(x, rand((16, 32), np.uint16), cuda.device_array((8, 16), np.float32), plan_=plan)
+    cuda.synchronize()
+    return job
+
+
+def precompile_tiled(Ms: list[int], jobs: int) -> None:
+    """The tiled GEMM's plans at these M (and the gpu tests' 37 / 100 tokens), both x layouts, in ``jobs``
+    processes at once (float32 x at 8 token tiles alone compiles for ~2 min)."""
+    from kdt.kernels import tc_tiled
+
+    todo = sorted({(tc_tiled.plan(M), hilo) for M in set(Ms) | {37, 100} for hilo in (True, False)})
+    t0 = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(min(jobs, len(todo))) as pool:
+        done = list(pool.imap_unordered(_compile_tiled, todo))
+    print(f"compiled {len(done)} tiled GEMM plans in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def bench_tiled(presets: list[str], Ms: list[int]) -> list[dict]:
     """The tensor-core warp tile (``linear_tc``'s default plan) against the block-tiled GEMM (kdt.kernels.tc_tiled,
     its default plan) per shape and M, each on float32 x and on hi / lo x; their outputs' relative difference."""
@@ -235,13 +259,16 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--fixture", default=None, help="time this fixture's shapes (target + drafter) instead")
-    ap.add_argument("--jobs", type=int, default=1, help="--tc: compile the plans first in this many processes")
+    ap.add_argument("--jobs", type=int, default=1, help="--tc / --tiled: compile the plans first in this many "
+                    "processes")
     ap.add_argument("--tc", default=None, metavar="M,..", help="instead: v2 against the tensor-core kernel at "
                     "--M, with a sweep of its plans at these M")
     ap.add_argument("--tiled", action="store_true", help="instead: the tensor-core warp tile against the block-tiled "
                     "GEMM (kdt.kernels.tc_tiled) at --M")
     args = ap.parse_args(argv)
     if args.tiled:
+        if args.jobs > 1:
+            precompile_tiled([int(m) for m in args.M.split(",") if m], args.jobs)
         rows = bench_tiled(args.presets.split(","), [int(m) for m in args.M.split(",") if m])
         if args.json:
             with open(args.json, "w") as f:

@@ -1427,14 +1427,15 @@ s36b)  # session 36, issue 7: Moonlight's whole programs in their graphs (the AR
     --launches none --pdl-ab --combine-in-ab --json "$OUT/profile-graphs-$day-moonlight-s36b.json"
   grep -h "==\|step\|forward\|empty\|build\|PDL\|Error\|error" "$OUT/profile_ab.log" | grep -v "^ *[0-9]" \
     | cut -c1-150 ;;
-s36c)  # session 36, issue 7: the block-tiled tensor-core GEMM (kdt.kernels.tc_tiled, KDT_LINEAR_TILED_M): its gpu tests
-  # (the lm_head at 65 tokens, [q_a | kv_a] at 16, the dense MLP at 100 / 256, ragged shapes; the fixtures' matrices
-  # are below linear_tc's size, so kdt verify never meets it), then Moonlight's projections at 16 .. 256 tokens, the
-  # warp tile against the tiled GEMM, float32 and hi / lo x, alone
-  step tiled_tests ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_kernels_tc.py -k tiled -p no:cacheprovider -rf
+s36c)  # session 36, issue 7: the block-tiled tensor-core GEMM (kdt.kernels.tc_tiled, KDT_LINEAR_TILED_M): its plans
+  # compiled in 14 processes, Moonlight's projections at 16 .. 256 tokens, the warp tile against the tiled GEMM,
+  # float32 and hi / lo x, alone; then its gpu tests on the compiled plans (the lm_head at 65 tokens, [q_a | kv_a] at
+  # 16, the dense MLP's shapes at 100 / 256, ragged; the fixtures' matrices are below linear_tc's size, so kdt verify
+  # never meets it)
+  step linear_tiled ${BENCH_TIMEOUT:-330} python3 scripts/bench_linear.py --presets moonlight-16b-a3b \
+    --M 16,32,64,65,128,256 --tiled --jobs 14 --json "$OUT/linear-tiled-$day-moonlight-s36c.json"
+  step tiled_tests ${TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/test_kernels_tc.py -k tiled -p no:cacheprovider -rf
   grep -h "^FAILED\|^ERROR\|passed\|failed" "$OUT/tiled_tests.log" | cut -c1-300
-  step linear_tiled ${BENCH_TIMEOUT:-240} python3 scripts/bench_linear.py --presets moonlight-16b-a3b \
-    --M 16,32,64,65,128,256 --tiled --json "$OUT/linear-tiled-$day-moonlight-s36c.json"
   grep -h "N=\|bandwidth\|Error\|error" "$OUT/linear_tiled.log" | cut -c1-150 ;;
 s36e)  # session 36, issue 7: the MoE's routed gate_up on the block-tiled GEMM (KDT_MOE_TILED_M): the Moonlight layer
   # at 65 / 128 / 256 tokens, the default against "tc_tiled", alone; then its gpu tests (the layer at Moonlight's
