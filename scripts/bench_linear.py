@@ -139,11 +139,12 @@ def _compile_plan(plan) -> tuple:
     return plan
 
 
-def precompile_tc(plans: list[tuple], jobs: int) -> None:
+def precompile(worker, todo: list, jobs: int, what: str) -> None:
+    """``worker(job)`` for every job of ``todo`` in ``jobs`` processes at once (each compiles into kdt's disk cache)."""
     t0 = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(min(jobs, len(plans))) as pool:
-        done = list(pool.imap_unordered(_compile_plan, plans))
-    print(f"compiled {len(done)} tensor-core plans in {time.perf_counter() - t0:.0f} s", flush=True)
+    with multiprocessing.get_context("spawn").Pool(min(jobs, len(todo))) as pool:
+        done = list(pool.imap_unordered(worker, todo))
+    print(f"compiled {len(done)} {what} in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int]) -> list[dict]:
@@ -203,18 +204,6 @@ def _compile_tiled(job) -> tuple:
     return job
 
 
-def precompile_tiled(Ms: list[int], jobs: int) -> None:
-    """The tiled GEMM's plans at these M (and the gpu tests' 37 / 100 tokens), both x layouts, in ``jobs``
-    processes at once (float32 x at 8 token tiles alone compiles for ~2 min)."""
-    from kdt.kernels import tc_tiled
-
-    todo = sorted({(tc_tiled.plan(M), hilo) for M in set(Ms) | {37, 100} for hilo in (True, False)})
-    t0 = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(min(jobs, len(todo))) as pool:
-        done = list(pool.imap_unordered(_compile_tiled, todo))
-    print(f"compiled {len(done)} tiled GEMM plans in {time.perf_counter() - t0:.0f} s", flush=True)
-
-
 def bench_tiled(presets: list[str], Ms: list[int]) -> list[dict]:
     """The tensor-core warp tile (``linear_tc``'s default plan) against the block-tiled GEMM (kdt.kernels.tc_tiled,
     its default plan) per shape and M, each on float32 x and on hi / lo x; their outputs' relative difference."""
@@ -224,7 +213,7 @@ def bench_tiled(presets: list[str], Ms: list[int]) -> list[dict]:
     rows = []
     print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s")
     print(f"{'shape':34s} {'M':>5s} {'tc us':>9s} {'tiled us':>9s} {'tc hilo':>9s} {'tiled hilo':>10s} "
-          f"{'x bytes':>8s} {'tiled TF/s':>10s} {'plan':>18s} {'rel diff':>9s}")
+          f"{'bytes us':>8s} {'tiled TF/s':>10s} {'plan':>18s} {'rel diff':>9s}")
     for name in presets:
         for layer, N, K in shapes(name):
             if K % tc_tiled.BK:
@@ -267,8 +256,13 @@ def main(argv=None) -> int:
                     "GEMM (kdt.kernels.tc_tiled) at --M")
     args = ap.parse_args(argv)
     if args.tiled:
-        if args.jobs > 1:
-            precompile_tiled([int(m) for m in args.M.split(",") if m], args.jobs)
+        if args.jobs > 1:  # the plans at --M and the gpu tests' 37 / 100 tokens, both x layouts (float32 x at 8
+            # token tiles alone compiles for ~2 min)
+            from kdt.kernels import tc_tiled
+
+            Ms = {int(m) for m in args.M.split(",") if m} | {37, 100}
+            precompile(_compile_tiled, sorted({(tc_tiled.plan(M), hilo) for M in Ms for hilo in (True, False)}),
+                       args.jobs, "tiled GEMM plans")
         rows = bench_tiled(args.presets.split(","), [int(m) for m in args.M.split(",") if m])
         if args.json:
             with open(args.json, "w") as f:
@@ -278,7 +272,8 @@ def main(argv=None) -> int:
         if args.jobs > 1:
             Ms = [int(m) for m in args.M.split(",") if m]
             default = {lin.tc_plan(M, N) for M in Ms for name in args.presets.split(",") for _, N, _ in shapes(name)}
-            precompile_tc(sorted(default | (set(TC_PLANS) if args.tc else set())), args.jobs)
+            precompile(_compile_plan, sorted(default | (set(TC_PLANS) if args.tc else set())), args.jobs,
+                       "tensor-core plans")
         rows = bench_tc(args.presets.split(","), [int(m) for m in args.M.split(",") if m],
                         [int(m) for m in args.tc.split(",") if m])
         if args.json:

@@ -955,6 +955,7 @@ _SYNC_ROUTED = SYNC_LINE  # the routed flag's copies: lines 1 .. SYNC_COPIES
 _SYNC_SHARED_DONE = SYNC_LINE * (1 + SYNC_COPIES)  # the shared flag's copies: the next SYNC_COPIES lines
 SYNC_WORDS = SYNC_LINE * (1 + 2 * SYNC_COPIES)  # MoEScratch.sync: int32, zero between launches
 
+
 @_device
 def _ab_wait(sync, flag, copy, nb):
     """A B-role block of kernel AB: thread 0 waits for copy ``copy`` of ``flag``, then counts the block as
@@ -1980,21 +1981,21 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter, int(M), int(L.n_group),
         int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb)))
     ntg = cdiv(I, gate_up_rows(t.nw, t.tc_kw, t.tc_ot)) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
-    bb = V2Launch("B gate_up+shared_down", kb, J * ntg + nsd, t.nw * WARP, J * ntg, (
-        x_in("b_perm"), L._gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts, S.sorted_rows, x_in(hs), sdn,
-        S.y_shared, int(M), int(ntg), int(J)))
+    jb = 0 if t.tiled else J  # kernel B's routed slots (tiled: none, launch G below takes the routed gate_up)
+    bb = V2Launch("B shared_down" if t.tiled else "B gate_up+shared_down", kb, jb * ntg + nsd, t.nw * WARP,
+                  jb * ntg or nsd, (x_in("b_perm"), L._gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts,
+                                    S.sorted_rows, x_in(hs), sdn, S.y_shared, int(M), int(ntg), int(jb)))
     n_chunks = cdiv(J, t.jc)
     nc = cdiv(D, TC_ROWS * t.tc_rt * _row_groups(t.nw_c, t.tc_kw)[2] if t.tc else t.nw_c * t.nr_c) * n_chunks
     c = V2Launch("C down+combine", kc, nc, t.nw_c * WARP, nc, (
         x_in("h"), L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
         out if tee is None else tee,  # (never written without a tee)
         S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared), tee is not None))
-    if t.tiled:  # the routed gate_up on the tiled GEMM, then B's shared down alone (J = 0: no routed blocks)
+    if t.tiled:  # the routed gate_up on the tiled GEMM, then B's shared down alone (if any)
         kg = tc_tiled.tiled_gate_up_kernel(*tc_tiled.gate_up_plan(M, k, E))
         ng = J * cdiv(I, kg.tile[0] // 2)
         g = V2Launch("G gate_up (tiled)", kg, ng, 32 * kg.plan[1] * kg.plan[2], ng, (
             x_in("b_perm"), L._gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts, S.sorted_rows), kg.smem)
-        bb = replace(bb, name="B shared_down", grid=nsd, head=nsd, args=bb.args[:-1] + (0,))
         return [a, g, bb, c] if nsd else [a, g, c]
     if t.ab:  # one grid: A's role blocks, then B's; no prefix of it runs alone (the last B block resets sync)
         ab = V2Launch("AB route+shared_gate_up+gate_up+shared_down", _v2_ab_kernel(t, L._epw), a.grid + bb.grid,
