@@ -20,6 +20,13 @@ from kdt.testing import poisoned, rel_err
 BOUND = 1e-5
 
 
+def k_bound(K: int) -> float:
+    """BOUND, or at long K the bias of the mma's float32 accumulation: it truncates at each k step of 16, about half
+    an ulp (2^-24 relative) a step, so K / 16 steps drift by ~K * 2^-28 (seen on the H200, session 37: 1.8e-5 at
+    K = 11264, one warp accumulating the whole K). A kernel that drops x's lo half is off by ~1e-3 at any K."""
+    return max(BOUND, K * 2.0**-28)
+
+
 def _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=1, e=0, accumulate=False, kw=0, st=0):
     """Run the tile on fresh inputs (y poisoned); returns (rel_err, rel_err with bf16 x)."""
     W = (rng.standard_normal((E, N, K)) / np.sqrt(K)).astype(np.float32)
@@ -158,7 +165,7 @@ def test_linear_tc_takes_the_tiled_gemm_from_tiled_min_m(rng, monkeypatch):
 def test_tc_tiled_gemm_gpu(rng, M, N, K, xl):
     """The block-tiled GEMM at its default plans (kdt.kernels.tc_tiled.plan) against float64, y accumulated into."""
     err, _ = _tiled(rng, M, N, K, None, xl, accumulate=True)
-    assert err < BOUND, f"rel_err {err:.3g}"
+    assert err < k_bound(K), f"rel_err {err:.3g}"
 
 
 @cuda.jit

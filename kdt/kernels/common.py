@@ -4,7 +4,8 @@
   shuffles, so every reduction has a shared-memory path; kernels pick it with this flag at import.
 - bf16 weights are stored as ``uint16`` (the top half of the float32 bit pattern) and widened to
   float32 in registers with :func:`bf16_to_f32`; accumulation is always float32.
-- Compiled kernels are cached on disk across runs (:mod:`kdt.kernels.jit_cache`).
+- Compiled kernels are cached on disk across runs (:mod:`kdt.kernels.jit_cache`); numba's inlining of device
+  functions copies each callee's scope once, not once a block (:mod:`kdt.kernels.inline_copy`).
 - ``PTX_REGISTRY``: ``register_ptx(kernel, signature)`` records a kernel and one signature that CI
   compiles with ``cuda.compile_ptx(..., cc=(9, 0))`` (tests/test_compile_ptx.py), because the
   simulator checks no types.
@@ -29,10 +30,11 @@ IS_SIM: bool = bool(_nb_config.ENABLE_CUDASIM)
 if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in os.environ:
     _nb_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
-if not IS_SIM:  # compiled kernels are kept on disk across runs (kdt.kernels.jit_cache)
-    from kdt.kernels import jit_cache
+if not IS_SIM:  # compiled kernels are kept on disk across runs (kdt.kernels.jit_cache); inlining copies less
+    from kdt.kernels import inline_copy, jit_cache
 
     jit_cache.install()
+    inline_copy.install()
 
 WARP = 32
 
