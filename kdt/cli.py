@@ -27,7 +27,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="kdt: DeepSeek-V3 / Kimi-K2 (MLA + MoE) inference with DDTree speculative decoding.\n\n"
-    "The CUDA backend compiles its kernels on their first use (30-60 s) and keeps them on disk\n"
+    "The CUDA backend compiles its kernels on their first use (under a minute at the bundled fixtures' "
+    "shapes, several minutes at a full model's) and keeps them on disk "
     "(~/.cache/kdt/kernels or $KDT_CACHE_DIR): later runs start in seconds.",
 )
 out = Console() if sys.stdout.isatty() else Console(width=160)
