@@ -187,11 +187,11 @@ def _emit_steps(s, RT, TT, ST, HILO, BN, BM, XOFF, issue, row0) -> None:
             s(issue(f"kt + {ST - 1}", f"(kt + {ST - 1}) % {ST}"))
         s("commit()")
         s(f"slot = kt % {ST}")
-        for kb in range(2):
-            s(f"xb = {XOFF} + (((slot * 2 + {kb}) * {BM} + tk0 + g) * 4 + t) * 2")
+        for kb in range(2):  # (unsigned shared offsets: no negative-index wrap-around selects a load)
+            s(f"xb = uint64({XOFF} + (((slot * 2 + {kb}) * {BM} + tk0 + g) * 4 + t) * 2)")
             for j in range(TT):
-                s(f"v0 = sm[xb + {64 * j}]  # token tile {j}: 8 tokens x 4 words x 2 apart")
-                s(f"v1 = sm[xb + {64 * j + 1}]")
+                s(f"v0 = sm[xb + uint64({64 * j})]  # token tile {j}: 8 tokens x 4 words x 2 apart")
+                s(f"v1 = sm[xb + uint64({64 * j + 1})]")
                 if HILO:  # the word's hi, then its lo
                     s(f"h0_{j} = uint32(v0 & LO)")
                     s(f"h1_{j} = uint32(v0 >> S32)")
@@ -201,9 +201,9 @@ def _emit_steps(s, RT, TT, ST, HILO, BN, BM, XOFF, issue, row0) -> None:
                     s(f"h0_{j}, l0_{j} = split(f32(v0 & LO), f32(v0 >> S32))")
                     s(f"h1_{j}, l1_{j} = split(f32(v1 & LO), f32(v1 >> S32))")
             for i in range(RT):
-                s(f"wb = ((slot * 2 + {kb}) * {BN} + {row0(i)} + g) * 4 + t")
+                s(f"wb = uint64(((slot * 2 + {kb}) * {BN} + {row0(i)} + g) * 4 + t)")
                 s("w0 = sm[wb]  # rows g and g + 8 (8 rows x 4 words apart)")
-                s("w1 = sm[wb + 32]")
+                s("w1 = sm[wb + uint64(32)]")
                 s("a0 = uint32(w0 & LO)")
                 s("a2 = uint32(w0 >> S32)")
                 s("a1 = uint32(w1 & LO)")
