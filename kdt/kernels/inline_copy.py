@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     only = []
     while "--only" in argv:
         i = argv.index("--only")
+        if i + 1 == len(argv):
+            print("--only needs a kernel's name", file=sys.stderr)
+            return 2
         only.append(argv[i + 1])
         argv = argv[:i] + argv[i + 2:]
     shard, n_shards = parse_shard(argv)
@@ -144,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     if shared != 1:
         return 1
     entries = [e for e in PTX_REGISTRY[shard::n_shards] if not only or e[0] in only]
+    if only and len(entries) < len(only):
+        missing = sorted(set(only) - {e[0] for e in entries})
+        print(f"not in the registry (or not in this shard): {', '.join(missing)}", file=sys.stderr)
+        return 2
     bad, total = 0, [0.0, 0.0]
     for name, fn, sig, device in entries:
         ptx, secs = [], []
