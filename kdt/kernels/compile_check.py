@@ -33,20 +33,29 @@ def parse_shard(argv: list[str]) -> tuple[int, int]:
     return i - 1, n
 
 
-def main(argv: list[str] | None = None) -> int:
-    shard, n_shards = parse_shard(sys.argv[1:] if argv is None else argv)
+def registry_shard(shard: int, n_shards: int, prog: str) -> list[tuple[str, object, tuple, bool]] | None:
+    """Every kernel module imported, the registry's entries of ``shard`` (0-based) of ``n_shards``; None, with a
+    message for ``prog``, under the simulator (its kernels compile nothing)."""
     from numba import config
 
     if config.ENABLE_CUDASIM:
-        print("compile_check needs the simulator off (unset NUMBA_ENABLE_CUDASIM)", file=sys.stderr)
+        print(f"{prog} needs the simulator off (unset NUMBA_ENABLE_CUDASIM)", file=sys.stderr)
+        return None
+    from kdt.kernels.common import PTX_REGISTRY
+
+    for m in MODULES:
+        importlib.import_module(f"kdt.kernels.{m}")
+    return PTX_REGISTRY[shard::n_shards]
+
+
+def main(argv: list[str] | None = None) -> int:
+    shard, n_shards = parse_shard(sys.argv[1:] if argv is None else argv)
+    entries = registry_shard(shard, n_shards, "compile_check")
+    if entries is None:
         return 2
     from numba import cuda
 
     from kdt.kernels.common import PDL, PTX_REGISTRY, waits_for_grid
-
-    for m in MODULES:
-        importlib.import_module(f"kdt.kernels.{m}")
-    entries = PTX_REGISTRY[shard::n_shards]
     failures = 0
     t_all = time.perf_counter()
     for name, fn, sig, device in entries:

@@ -113,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     """Compile registered kernels (``--shard I/N`` as kdt.kernels.compile_check; ``--only NAME``, repeated: those
     of these names) for sm_90 with the shared memo off, then on; exit 1 if any PTX differs, or if the shared memo
     does not copy a function's scope once (:func:`scope_copies`)."""
-    from numba import config
-
-    from kdt.kernels.compile_check import MODULES, parse_shard
+    from kdt.kernels.compile_check import parse_shard, registry_shard
 
     argv = sys.argv[1:] if argv is None else list(argv)
     only = []
@@ -127,18 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         only.append(argv[i + 1])
         argv = argv[:i] + argv[i + 2:]
     shard, n_shards = parse_shard(argv)
-    if config.ENABLE_CUDASIM:
-        print("needs the simulator off (unset NUMBA_ENABLE_CUDASIM)", file=sys.stderr)
+    registry = registry_shard(shard, n_shards, "python -m kdt.kernels.inline_copy")
+    if registry is None:
         return 2
-    import importlib
-
     from numba import cuda
 
-    from kdt.kernels.common import PTX_REGISTRY
-
     global enabled
-    for m in MODULES:
-        importlib.import_module(f"kdt.kernels.{m}")
     if not install():
         print("the shared memo cannot be installed here (KDT_INLINE_MEMO=0, or another numba-cuda)", file=sys.stderr)
         return 2
@@ -146,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"a function of {n} blocks: {plain} scope copies block by block, {shared} with the shared memo")
     if shared != 1:
         return 1
-    entries = [e for e in PTX_REGISTRY[shard::n_shards] if not only or e[0] in only]
+    entries = [e for e in registry if not only or e[0] in only]
     if only and len(entries) < len(only):
         missing = sorted(set(only) - {e[0] for e in entries})
         print(f"not in the registry (or not in this shard): {', '.join(missing)}", file=sys.stderr)
