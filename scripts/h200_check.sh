@@ -9,6 +9,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba_cache
 OUT=${OUT:-out}; mkdir -p "$OUT"
 MODE=${1:-engine}
+if [ "${KDT_CARRY_CACHE:-0}" = 1 ]; then  # the kernel cache carried from call to call: this call starts from
+  # .kdt-cache.tar.gz (carry it beside .whl) and leaves the cache it ends with in $OUT/kdt-cache.tar.gz.partNN; for the
+  # next call: cat FILES_AT/kdt-cache.tar.gz.part* > .kdt-cache.tar.gz (a kernel source edit makes it all misses)
+  export KDT_CACHE_DIR=/tmp/kdt_cache_carried; mkdir -p "$KDT_CACHE_DIR"
+  [ -f .kdt-cache.tar.gz ] && tar -xzf .kdt-cache.tar.gz -C "$KDT_CACHE_DIR"
+  echo "kernel cache carried in: $(ls "$KDT_CACHE_DIR" | wc -l) files"
+  trap 'tar -czf /tmp/kdt-cache.tar.gz -C "$KDT_CACHE_DIR" . && parts /tmp/kdt-cache.tar.gz
+        echo "kernel cache carried out: $(ls "$KDT_CACHE_DIR" | wc -l) files, $(du -h /tmp/kdt-cache.tar.gz | cut -f1)"' EXIT
+fi
 day=$(date +%Y-%m-%d)
 summary=()
 step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember the exit code
@@ -1453,7 +1462,7 @@ s36d)  # session 36, issue 7: kdt bench on the Moonlight shape with the tiled GE
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-tiled-s36d.json"
   tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
 s37a)  # session 37, issue 7: the gpu tests session 37's calls left unfinished (compiling; numba's inlining was quadratic
-  # then, kdt.kernels.inline_copy): the combine in the attention's launch at every shape, the block-tiled GEMM (its
+  # then, kdt.kernels.inline_copy, now fast_compile): the combine in the attention's launch at every shape, the block-tiled GEMM (its
   # long-K bound now K-scaled) and the MoE's tiled gate_up, session 34's float32-x passes against the fitted ones;
   # beside kdt verify
   tparts 480 ci tests/test_kernels_mla.py -k "combine_in_launch"

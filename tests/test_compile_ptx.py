@@ -37,20 +37,23 @@ def test_shard_argument():
             parse_shard(bad)
 
 
-def test_inline_memo_keeps_the_ptx():
-    """kdt.kernels.inline_copy (numba's inlining copies a callee's scope once, not once a block) copies a function's
-    scope once, and leaves the sm_90 PTX as numba's own copy makes it: the kernel with the biggest inlined body (the
-    MoE route kernel: 340 blocks, 3480 variables) and the attention with the combine in its launch (a shared array in
-    an inlined device function)."""
+def test_fast_compile_keeps_the_ptx():
+    """kdt.kernels.fast_compile (numba's inlining top-down, a callee's scope copied once, liveness by work lists)
+    copies a function's scope once, finds every live map as numba's own does, and leaves the sm_90 PTX as numba makes
+    it: the kernel with the biggest inlined body (the MoE route kernel: 340 blocks, 3480 variables) and the attention
+    with the combine in its launch (a shared array in an inlined device function)."""
     pytest.importorskip("nvidia.cuda_nvcc", reason="needs NVVM (pip install 'numba-cuda[cu12]')")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     names = ["moe2_route_nw4_b2_s2_nr4_tt1_u4_ul4_cs_rt", "mla_attention2[Rkv=64,NW=1,PF=2,CI]"]
     only = [a for n in names for a in ("--only", n)]
-    r = subprocess.run([sys.executable, "-m", "kdt.kernels.inline_copy", *only], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "kdt.kernels.fast_compile", *only], env=env, capture_output=True,
                        text=True, timeout=1800)
     print(r.stdout[-3000:], r.stderr[-3000:])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     scopes = re.search(r"of (\d+) blocks: (\d+) scope copies block by block, (\d+) with the shared memo", r.stdout)
     assert scopes and int(scopes[1]) == int(scopes[2]) > 1 and scopes[3] == "1", r.stdout
-    done = re.search(r"2/2 kernels: the same PTX.*\((\d+) inlined calls with the shared memo\)", r.stdout)
-    assert done and int(done[1]) > 0, r.stdout
+    done = re.search(r"2/2 kernels: the same PTX.*\((\d+) inlined calls with the shared memo, (\d+) top-down\)",
+                     r.stdout)
+    assert done and int(done[1]) > 0 and int(done[2]) > 0, r.stdout
+    live = re.search(r"(\d+) live maps by the work list, (\d+) differ from numba's", r.stdout)
+    assert live and int(live[1]) > 0 and live[2] == "0", r.stdout

@@ -4,8 +4,9 @@
   shuffles, so every reduction has a shared-memory path; kernels pick it with this flag at import.
 - bf16 weights are stored as ``uint16`` (the top half of the float32 bit pattern) and widened to
   float32 in registers with :func:`bf16_to_f32`; accumulation is always float32.
-- Compiled kernels are cached on disk across runs (:mod:`kdt.kernels.jit_cache`); numba's inlining of device
-  functions copies each callee's scope once, not once a block (:mod:`kdt.kernels.inline_copy`).
+- Compiled kernels are cached on disk across runs (:mod:`kdt.kernels.jit_cache`); numba's front end inlines
+  device functions top-down, copying each callee once, and finds liveness by work lists
+  (:mod:`kdt.kernels.fast_compile`).
 - ``PTX_REGISTRY``: ``register_ptx(kernel, signature)`` records a kernel and one signature that CI
   compiles with ``cuda.compile_ptx(..., cc=(9, 0))`` (tests/test_compile_ptx.py), because the
   simulator checks no types.
@@ -30,11 +31,11 @@ IS_SIM: bool = bool(_nb_config.ENABLE_CUDASIM)
 if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in os.environ:
     _nb_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
-if not IS_SIM:  # compiled kernels are kept on disk across runs (kdt.kernels.jit_cache); inlining copies less
-    from kdt.kernels import inline_copy, jit_cache
+if not IS_SIM:  # compiled kernels kept on disk across runs (kdt.kernels.jit_cache); a faster front end (fast_compile)
+    from kdt.kernels import fast_compile, jit_cache
 
     jit_cache.install()
-    inline_copy.install()
+    fast_compile.install()
 
 WARP = 32
 
