@@ -1,7 +1,7 @@
-"""Faster numba compiles of kdt's kernels: four changes to numba-cuda's front end, the same PTX.
+"""Faster numba compiles of kdt's kernels: five changes to numba-cuda's front end, the same PTX.
 
 kdt's kernels inline big device functions (``inline=True``, inlined in numba's IR before typing), nested up to ~11
-calls deep in the tensor-core kernels. numba-cuda 0.30.4's front end grows faster than linearly with that, in four
+calls deep in the tensor-core kernels. numba-cuda 0.30.4's front end grows faster than linearly with that, in five
 places; :func:`install` changes each (on this machine's CPU, sm_90 PTX):
 
 1. **Copying a callee.** ``InlineWorker.inline_ir`` copies the callee's IR twice, each time block by block:
@@ -21,13 +21,16 @@ places; :func:`install` changes each (on this machine's CPU, sm_90 PTX):
    (liveness, backward).
 4. **SSA.** ``reconstruct_ssa`` takes the variables assigned more than once one at a time, and for each walks every
    statement of the function twice (new names for its definitions, then each use to the definition that reaches
-   it): variables x statements (~200 x 10,000 in the attention kernels). Both walks change only statements that
-   name the variable, so here they walk only the blocks that do; every other block is copied as numba's walk
-   copies it, in the same order, so the new names come out the same.
+   it): variables x statements (~200 x 10,000 in the attention kernels). Both walks change only the statements that
+   name the variable (and find a use's definition among those), so here they walk only those and each block's last
+   statement, in numba's order (so the new names come out the same); each block is rebuilt fresh with the rest in
+   place, as numba's walk rebuilds it.
+5. **Registers for locals.** Lowering's ``_find_singly_assigned_variable`` scans a variable's whole block for its
+   assignments once for each variable assigned there; here each block's assignments are counted once.
 
 The PTX is the same but for numba's per-compile names: ``python -m kdt.kernels.fast_compile`` compiles registered
 kernels both ways and compares them (:func:`normalized_ptx`), and checks each live map against numba's.
-``KDT_FAST_COMPILE=0`` turns all four off; a numba-cuda without these internals compiles as before.
+``KDT_FAST_COMPILE=0`` turns all five off; a numba-cuda without these internals compiles as before.
 """
 
 from __future__ import annotations
@@ -49,8 +52,11 @@ live_maps = 0  # live maps found by the work list
 check_live = False  # also run numba's compute_live_map and count the maps that differ (the check below)
 live_maps_differ = 0
 check_seconds = 0.0  # time in numba's compute_live_map for that check (left out of the check's "on" times)
-ssa_blocks_skipped = 0  # blocks the SSA rewrite of a variable did not walk (they do not mention it)
-_ssa_mentions: dict | None = None  # during one SSA reconstruction: block label -> the names its statements mention
+ssa_statements_skipped = 0  # statements the SSA walks of a variable left out (they do not name it)
+# during one SSA reconstruction: id(statement) -> (statement, the names it holds); block label -> the names its
+# statements held at the start
+_ssa_names: dict | None = None
+_ssa_block_names: dict | None = None
 
 
 class _SharedBlockMemo:
@@ -72,14 +78,16 @@ class _SharedBlockMemo:
 
 
 def install() -> bool:
-    """Wrap numba-cuda's ``InlineWorker.inline_ir`` and ``inline_function`` and its SSA reconstruction's block walks,
-    and replace its ``compute_live_map`` (see the module docstring). Returns whether it is on."""
+    """Wrap numba-cuda's ``InlineWorker.inline_ir`` and ``inline_function``, its SSA reconstruction's block walks and
+    lowering's ``_find_singly_assigned_variable``, and replace its ``compute_live_map`` (see the module docstring).
+    Returns whether it is on."""
     global _installed
     if _installed:
         return True
     if os.environ.get("KDT_FAST_COMPILE", "1") == "0":
         return False
     try:
+        from numba.cuda import lowering
         from numba.cuda.core import analysis, ir, ir_utils, ssa
         from numba.cuda.core import inline_closurecall as icc
         from numba.cuda.core.untyped_passes import InlineInlinables  # noqa: F401  (used by the pipeline below)
@@ -88,7 +96,8 @@ def install() -> bool:
     worker = icc.InlineWorker
     if (getattr(icc, "copy", None) is not copy or not all(hasattr(worker, f) for f in ("inline_ir", "inline_function"))
             or not all(hasattr(m, "compute_live_map") for m in (analysis, ir_utils))
-            or not all(hasattr(ssa, f) for f in ("_run_ssa", "_run_block_rewrite"))):
+            or not all(hasattr(ssa, f) for f in ("_run_ssa", "_run_block_rewrite"))
+            or not hasattr(lowering.Lower, "_find_singly_assigned_variable")):
         return False  # not the code this was written for
     inner = icc.InlineWorker.inline_ir
 
@@ -138,40 +147,99 @@ def install() -> bool:
 
     @functools.wraps(numba_run_ssa)
     def run_ssa(blocks):
-        global _ssa_mentions
+        global _ssa_names, _ssa_block_names
         if not enabled:
             return numba_run_ssa(blocks)
-        saved = _ssa_mentions
-        _ssa_mentions = {label: {v.name for stmt in block.body for v in stmt.list_vars()}
-                         for label, block in blocks.items()}
+        saved = _ssa_names, _ssa_block_names
+        _ssa_names = {}
+        _ssa_block_names = {label: {n for stmt in block.body for n in _statement_names(stmt)}
+                            for label, block in blocks.items()}
         try:
             return numba_run_ssa(blocks)
         finally:
-            _ssa_mentions = saved
+            _ssa_names, _ssa_block_names = saved
 
     @functools.wraps(numba_block_rewrite)
     def block_rewrite(blocks, states, handler):
-        global ssa_blocks_skipped
-        mentions, name = _ssa_mentions, states.get("varname")
-        if mentions is None or name is None:
+        global ssa_statements_skipped
+        name = states.get("varname")
+        if _ssa_names is None or name is None:
             return numba_block_rewrite(blocks, states, handler)
-        walked = numba_block_rewrite({label: block for label, block in blocks.items()
-                                      if label not in mentions or name in mentions[label]}, states, handler)
+        picked, parts = {}, {}  # label -> the statements the walk takes (and their places)
+        for label, block in blocks.items():
+            defs = {id(d) for d in states["defmap"].get(label, ())}  # (.get: the walk counts defmap's keys)
+            if not defs and name not in _ssa_block_names.get(label, (name,)):
+                continue
+            at = [i for i, stmt in enumerate(block.body) if id(stmt) in defs or name in _statement_names(stmt)]
+            if at:
+                if at[-1] != len(block.body) - 1:  # the last statement too: numba's _stmt_index never finds the
+                    at.append(len(block.body) - 1)  # last one (range(n)[:-1]), so a walk must end on the same one
+                parts[label] = at
+                picked[label] = ir.Block(scope=block.scope, loc=block.loc)
+                picked[label].body = [block.body[i] for i in at]
+        walked = numba_block_rewrite(picked, states, handler)
         out = {}
-        for label, block in blocks.items():  # (numba's order; a fresh block for each, as numba's rewrite makes)
-            if label not in walked:
-                ssa_blocks_skipped += 1
-                walked[label] = ir.Block(scope=block.scope, loc=block.loc)
-                walked[label].body = list(block.body)
-            out[label] = walked[label]
+        for label, block in blocks.items():  # numba's order; a fresh block each, as numba's walk makes
+            out[label] = ir.Block(scope=block.scope, loc=block.loc)
+            out[label].body = body = list(block.body)
+            for i, stmt in zip(parts.get(label, ()), walked[label].body if label in walked else (), strict=True):
+                body[i] = stmt
+            ssa_statements_skipped += len(body) - len(parts.get(label, ()))
         return out
+
+    numba_singly_assigned = lowering.Lower._find_singly_assigned_variable
+
+    @functools.wraps(numba_singly_assigned)
+    def find_singly_assigned_variable(self):
+        if not enabled:
+            return numba_singly_assigned(self)
+        _singly_assigned(self, lowering, ir)
 
     worker.inline_ir = inline_ir
     worker.inline_function = inline_function_top_down
     analysis.compute_live_map = ir_utils.compute_live_map = compute_live_map  # (ir_utils imported it by name)
     ssa._run_ssa, ssa._run_block_rewrite = run_ssa, block_rewrite
+    lowering.Lower._find_singly_assigned_variable = find_singly_assigned_variable
     _installed = True
     return True
+
+
+def _statement_names(stmt) -> set:
+    """The variable names a statement holds (its ``list_vars``), once a statement during one SSA reconstruction."""
+    got = _ssa_names.get(id(stmt))
+    if got is None:
+        got = _ssa_names[id(stmt)] = (stmt, {v.name for v in stmt.list_vars()})  # (kept: no id comes back)
+    return got[1]
+
+
+def _singly_assigned(lower, lowering, ir) -> None:
+    """numba-cuda's ``Lower._find_singly_assigned_variable`` (the variables assigned once, in one block, used only
+    there: kept in registers), with each block's assignments counted once instead of scanned again for every
+    variable (variables x block size)."""
+    blocks = lower.func_ir.blocks
+    sav = set()
+    if not lower.func_ir.func_id.is_generator:
+        use_defs = lowering.compute_use_defs(blocks)
+        alloca_vars = lowering.must_use_alloca(blocks)
+        assigned_in = collections.defaultdict(set)
+        for blk, names in use_defs.defmap.items():
+            for var in names:
+                assigned_in[var].add(blk)
+        used_in = collections.defaultdict(set)
+        for blk, names in use_defs.usemap.items():
+            for var in names:
+                used_in[var].add(blk)
+        counts: dict = {}
+        for var, where in assigned_in.items():
+            if var not in alloca_vars and len(where) == 1 and not used_in[var]:
+                [blk] = where
+                if blk not in counts:
+                    assigns = lower.blocks[blk].find_insts(ir.assign_types)
+                    counts[blk] = collections.Counter(s.target.name for s in assigns)
+                if counts[blk][var] == 1:
+                    sav.add(var)
+    lower._singly_assigned_vars = sav
+    lower._blk_local_varmap = {}
 
 
 def _untyped_pipeline_without_inlining(state, name="untyped"):
@@ -334,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(entries) - bad}/{len(entries)} kernels: the same PTX; compile off {total[0]:.1f} s, "
           f"on {total[1]:.1f} s ({shared_calls} inlined calls with the shared memo, {top_down_calls} top-down)")
     print(f"{live_maps} live maps by the work list, {live_maps_differ} differ from numba's; "
-          f"{ssa_blocks_skipped} blocks left out of SSA rewrites")
+          f"{ssa_statements_skipped} statements left out of SSA walks")
     return 1 if bad or live_maps_differ or not live_maps else 0
 
 
