@@ -1462,9 +1462,9 @@ s36d)  # session 36, issue 7: kdt bench on the Moonlight shape with the tiled GE
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-tiled-s36d.json"
   tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
 s37a)  # session 37, issue 7: the gpu tests session 37's calls left unfinished (compiling; numba's inlining was quadratic
-  # then, kdt.kernels.inline_copy, now fast_compile): the combine in the attention's launch at every shape, the block-tiled GEMM (its
-  # long-K bound now K-scaled) and the MoE's tiled gate_up, session 34's float32-x passes against the fitted ones;
-  # beside kdt verify
+  # then, kdt.kernels.inline_copy, now fast_compile): the combine in the attention's launch at every shape, the
+  # block-tiled GEMM (its long-K bound now K-scaled) and the MoE's tiled gate_up, session 34's float32-x passes
+  # against the fitted ones; beside kdt verify
   tparts 480 ci tests/test_kernels_mla.py -k "combine_in_launch"
   tparts 480 tiled tests/test_kernels_tc.py -k "tiled"
   tparts 480 moe tests/test_kernels_moe.py -k "32-tc_fit0-tc_hilo0 or tiled1"

@@ -119,7 +119,7 @@ def install() -> bool:
     @functools.wraps(inline_function)
     def inline_function_top_down(self, *args, **kwargs):
         global top_down_calls
-        if not enabled or kwargs.get("arg_typs") is not None:
+        if not enabled or kwargs.get("arg_typs", args[4] if len(args) > 4 else None) is not None:
             return inline_function(self, *args, **kwargs)
         top_down_calls += 1
         saved = self._compiler_pipeline
@@ -193,7 +193,7 @@ def install() -> bool:
     def find_singly_assigned_variable(self):
         if not enabled:
             return numba_singly_assigned(self)
-        _singly_assigned(self, lowering, ir)
+        _singly_assigned(self)
 
     worker.inline_ir = inline_ir
     worker.inline_function = inline_function_top_down
@@ -212,10 +212,13 @@ def _statement_names(stmt) -> set:
     return got[1]
 
 
-def _singly_assigned(lower, lowering, ir) -> None:
+def _singly_assigned(lower) -> None:
     """numba-cuda's ``Lower._find_singly_assigned_variable`` (the variables assigned once, in one block, used only
     there: kept in registers), with each block's assignments counted once instead of scanned again for every
     variable (variables x block size)."""
+    from numba.cuda import lowering
+    from numba.cuda.core import ir
+
     blocks = lower.func_ir.blocks
     sav = set()
     if not lower.func_ir.func_id.is_generator:
