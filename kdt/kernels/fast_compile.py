@@ -288,7 +288,8 @@ def live_map(cfg, blocks, var_use_map, var_def_map) -> dict:
 
 
 def _reverse_post_order(cfg, blocks) -> list:
-    """Every block: those reachable from the entry in reverse post-order of a depth-first walk, then the rest."""
+    """Every block in reverse post-order of depth-first walks: from the entry, then from each block not yet reached
+    (only the order the work lists start in: any order reaches the same fixed points)."""
     seen: set = set()
     post: list = []
     for root in (cfg.entry_point(), *blocks):
