@@ -205,7 +205,7 @@ def _compile_tiled(job) -> tuple:
 
 
 def bench_tiled(presets: list[str], Ms: list[int]) -> list[dict]:
-    """The tensor-core warp tile (``linear_tc``'s default plan) against the block-tiled GEMM (kdt.kernels.tc_tiled,
+    """The tensor-core warp tile (``linear_tc``'s plan ``tc_plan``) against the block-tiled GEMM (kdt.kernels.tc_tiled,
     its default plan) per shape and M, each on float32 x and on hi / lo x; their outputs' relative difference."""
     from kdt.kernels import tc_tiled
 
@@ -223,8 +223,10 @@ def bench_tiled(presets: list[str], Ms: list[int]) -> list[dict]:
                 x = rand((M, K))
                 xh = cuda.to_device(tc.hilo_np(x.copy_to_host()))
                 ys = [cuda.device_array((M, N), np.float32) for _ in range(4)]
-                fns = [rotating(lin.linear_tc, Ws, x, ys[0]), rotating(tc_tiled.tiled_gemm, Ws, x, ys[1]),
-                       rotating(lin.linear_tc, Ws, xh, ys[2]), rotating(tc_tiled.tiled_gemm, Ws, xh, ys[3])]
+                warp = lin.tc_plan(M, N)  # the warp tile's plan (linear_tc's default takes the tiled GEMM from
+                # linear.TILED_MIN_M tokens on TILED_MIN_N rows)
+                fns = [rotating(lin.linear_tc, Ws, x, ys[0], plan=warp), rotating(tc_tiled.tiled_gemm, Ws, x, ys[1]),
+                       rotating(lin.linear_tc, Ws, xh, ys[2], plan=warp), rotating(tc_tiled.tiled_gemm, Ws, xh, ys[3])]
                 us = [timed(f, estimate_us(f)) for f in fns]
                 for f in fns:
                     f(0)

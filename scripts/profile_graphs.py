@@ -240,15 +240,15 @@ def main() -> int:
     if switches:
         print(f"  {'':34s} {('PDL' if pdl else 'no PDL') + f', ci {int(bool(ci))}':>12s} "
               + " ".join(f"{label:>8s}" for _, label, _ in switches))
-    for key, _, _ in switches:
-        out[key] = {}
+    for col, _, _ in switches:  # (not `key`: the step's lambda above reads that name when it runs)
+        out[col] = {}
     for name, fn in whole.items():
         us = graph_us(fn)
         out["programs_us"][name] = round(us, 2)
         cols = []
-        for key, _, switch in switches:
+        for col, _, switch in switches:
             switch(True)
-            cols.append(out[key].setdefault(name, round(graph_us(fn), 2)))
+            cols.append(out[col].setdefault(name, round(graph_us(fn), 2)))
             switch(False)
         print(f"  {name:34s} {us:12.2f} " + " ".join(f"{c:8.2f}" for c in cols) + " us")
     out["pdl"] = pdl

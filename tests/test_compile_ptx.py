@@ -15,9 +15,9 @@ SHARDS = 4
 @pytest.mark.parametrize("shard", range(1, SHARDS + 1))
 def test_every_kernel_compiles_for_sm90(shard):
     pytest.importorskip("nvidia.cuda_nvcc", reason="needs NVVM (pip install 'numba-cuda[cu12]')")
-    # KDT_PDL=1: the kernels as compiled with programmatic dependent launch on (off by default, where the wait
-    # compiles to nothing), so the compile check also sees griddepcontrol in every kernel (kdt.kernels.common)
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"} | {"KDT_PDL": "1"}
+    # KDT_PDL=2 (the default): the kernels as compiled with programmatic dependent launch on, so the compile check
+    # also sees griddepcontrol in every kernel (kdt.kernels.common)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"} | {"KDT_PDL": "2"}
     r = subprocess.run([sys.executable, "-m", "kdt.kernels.compile_check", "--shard", f"{shard}/{SHARDS}"],
                        env=env, capture_output=True, text=True, timeout=1800)
     print(r.stdout[-5000:], r.stderr[-3000:])

@@ -464,7 +464,7 @@ def test_cuda_graph_replay_equals_direct_launches(rng):
     """Forwards replayed from CUDA graphs (one per token count) give the very logits of direct
     launches, across a chunked prefill, AR steps, repeated tree verifies at moving L and a compaction;
     and the graphs were really used (captured on a count's second forward, replayed after), their kernels
-    launched with PDL (programmatic dependent launch: kdt.kernels.common) where KDT_PDL=1."""
+    launched with PDL (programmatic dependent launch: kdt.kernels.common) unless KDT_PDL=0."""
     from kdt.engine.cuda_model import CudaModel
     from kdt.fixture import read_fixture
     from kdt.kernels import common

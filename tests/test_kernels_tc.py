@@ -129,8 +129,9 @@ def test_tc_tiled_gemm(rng, M, N, K, plan, xl, accumulate):
 
 @pytest.mark.kernels
 def test_linear_tc_takes_the_tiled_gemm_from_tiled_min_m(rng, monkeypatch):
-    """linear_tc runs the block-tiled GEMM from kdt.kernels.linear.TILED_MIN_M tokens, where K % 32 == 0 and x is
-    contiguous (a column slice of x keeps the warp tile), with the same result to the bound."""
+    """linear_tc runs the block-tiled GEMM from kdt.kernels.linear.TILED_MIN_M tokens on a weight of TILED_MIN_N rows
+    or more, where K % 32 == 0 and x is contiguous (a column slice of x, fewer tokens or fewer rows keep the warp
+    tile), with the same result to the bound."""
     from kdt.kernels import linear as lin
     from kdt.kernels import tc_tiled
 
@@ -141,6 +142,7 @@ def test_linear_tc_takes_the_tiled_gemm_from_tiled_min_m(rng, monkeypatch):
     monkeypatch.setattr(tc_tiled, "tiled_gemm", lambda *a, **k: calls.append(1) or run(*a, **k))
     monkeypatch.setattr(lin, "TILED_MIN_M", 9)
     M, N, K = 11, 24, 64
+    monkeypatch.setattr(lin, "TILED_MIN_N", N)
     W = f32_to_bf16_bits((rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32))
     X = rng.standard_normal((M, 2 * K)).astype(np.float32)
     ref = X[:, :K].astype(np.float64) @ bf16_bits_to_f32(W).astype(np.float64).T
@@ -151,6 +153,11 @@ def test_linear_tc_takes_the_tiled_gemm_from_tiled_min_m(rng, monkeypatch):
         lin.linear_tc(x, cuda.to_device(W), y)
         assert (len(calls) > n) == tiled
         assert rel_err(y.copy_to_host(), ref[: x.shape[0]]) < BOUND
+    monkeypatch.setattr(lin, "TILED_MIN_N", N + 1)  # a weight of fewer rows: the warp tile
+    n = len(calls)
+    lin.linear_tc(cuda.to_device(np.ascontiguousarray(X[:, :K])), cuda.to_device(W),
+                  cuda.device_array((M, N), np.float32))
+    assert len(calls) == n
 
 
 @pytest.mark.kernels

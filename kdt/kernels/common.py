@@ -88,18 +88,22 @@ else:
 # one before it instead of following it (each of the AR step's ~300 launches in a graph trails its predecessor by
 # ~1 us). Nothing runs before the wait, so the kernels compute exactly what they did. Devices before sm_90 have
 # no griddepcontrol: the call compiles to nothing there.
-# OFF by default (``KDT_PDL=1`` turns it on; off, the call compiles to nothing: the sm_90 PTX of all 146 registered
-# kernels equals that of the code before, mangled names aside). Predicted: up to ~1 us less a launch, ~300 us of the
-# Moonlight AR step. Measured (H200, session 25, `scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7
-# --pdl-ab`, run s25b: the same kernels captured with and without PDL in one process, L = 176): the AR step
-# 3019 us with PDL against 2904 without, the oracle chain step 7241 / 7198, the target forward at M = 1 3012 / 2892,
-# at M = 8 7229 / 7187: 1-4% slower (why was not measured; a guess: the launch_dependents right after the wait keeps
-# the next kernel's blocks resident, waiting, from the start of this one). That run's launch hook also failed on kernels
-# loaded from the disk cache (no py_func on numba-cuda's _Kernel); it now reads the dispatcher's, not run on the H200.
-# KDT_PDL=2 (session 36, not yet timed): the wait alone, no launch_dependents: each block triggers the next kernel's
-# launch implicitly as it exits, so the next kernel's blocks are not resident and waiting through this one's run,
-# and only its launch and ramp overlap this one's last blocks and their memory flush.
-PDL_MODE = int(os.environ.get("KDT_PDL", "0") or 0)
+# KDT_PDL=1 (session 25: measured slower, below) or 2 (the default since session 39) turns it on; off (0), the call
+# compiles to nothing (the sm_90 PTX of all 146 registered kernels equals that of the code before, mangled names aside).
+# Predicted: up to ~1 us less a launch, ~300 us of the Moonlight AR step. Measured (H200, session 25,
+# `scripts/profile_graphs.py --preset moonlight-16b-a3b --budget 7 --pdl-ab`, run s25b: the same kernels captured with
+# and without PDL in one process, L = 176): the AR step 3019 us with PDL against 2904 without, the oracle chain step
+# 7241 / 7198, the target forward at M = 1 3012 / 2892, at M = 8 7229 / 7187: 1-4% slower (why was not measured; a
+# guess: the launch_dependents right after the wait keeps the next kernel's blocks resident, waiting, from the start of
+# this one). That run's launch hook also failed on kernels loaded from the disk cache (no py_func on numba-cuda's
+# _Kernel); it now reads the dispatcher's, not run on the H200.
+# KDT_PDL=2 (session 36): the wait alone, no launch_dependents: each block triggers the next kernel's launch
+# implicitly as it exits, so the next kernel's blocks are not resident and waiting through this one's run, and only
+# its launch and ramp overlap this one's last blocks and their memory flush. Measured (H200, session 39, s39a: the
+# same run's programs with and without PDL, KDT_PDL=2, L = 176, us): the AR step 2886.7 / 2901.2, the oracle chain
+# step 7186.6 / 7205.6, the target forward at M = 1 2869.8 / 2880.6, at M = 8 7169.4 / 7186.7: 0.2-0.5% faster,
+# every program. So the default since session 39 (KDT_PDL=0: off).
+PDL_MODE = int(os.environ.get("KDT_PDL", "2") or 0)
 if PDL_MODE not in (0, 1, 2):
     raise ValueError(f"KDT_PDL={PDL_MODE}: 0 (off), 1 (wait, then trigger the next launch) or 2 (wait only)")
 PDL = PDL_MODE > 0

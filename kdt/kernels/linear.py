@@ -167,10 +167,16 @@ FUSE_GLU = os.environ.get("KDT_LINEAR_FUSE_GLU", "0") == "1"
 # (env KDT_LINEAR_TC_M; 0: never), except K > TC_LONG_K N below M = 32.
 TC_MIN_M = int(os.environ.get("KDT_LINEAR_TC_M", "16"))
 # The block-tiled tensor-core GEMM (kdt.kernels.tc_tiled, session 36: weight and x tiles staged in shared memory, a
-# weight fragment on up to 8 token tiles) in place of the warp tile from TILED_MIN_M tokens where K % 32 == 0 and x is
-# contiguous. Env KDT_LINEAR_TILED_M; 0 (off) until the H200 times it (predicted: the lm_head at 64 / 256 tokens from
-# 609 / 2296 us toward ~250 / ~900).
-TILED_MIN_M = int(os.environ.get("KDT_LINEAR_TILED_M", "0"))
+# weight fragment on up to 8 token tiles) in place of the warp tile from TILED_MIN_M tokens, for a weight of at least
+# TILED_MIN_N rows, where K % 32 == 0 and x is contiguous. Measured (H200, session 39's s36c, `scripts/bench_linear.py
+# --presets moonlight-16b-a3b --M 16,32,64,65,128,256 --tiled`, hi / lo x, warp tile / tiled in us): the lm_head
+# (163840 x 2048) 611.7 / 659.0 at 64 tokens, 764.5 / 685.3 at 65 (the warp tile's blocks of 32 tokens leave 31 of the
+# third idle), 1162.3 / 1130.3 at 128, 2310.0 / 2228.9 at 256; every other Moonlight shape slower tiled at every M
+# (the dense gate_up, 22528 rows, 325.1 / 364.9 at 256; qkv_a 32.1 / 71.7 at 65: too few blocks of 128 rows). So the
+# lm_head's rows from 65 tokens (a budget-64 verify, a prefill chunk). Env KDT_LINEAR_TILED_M (0: never) and
+# KDT_LINEAR_TILED_N.
+TILED_MIN_M = int(os.environ.get("KDT_LINEAR_TILED_M", "65"))
+TILED_MIN_N = int(os.environ.get("KDT_LINEAR_TILED_N", "65536"))
 TC_LONG_K = 4
 TC_MIN_WEIGHTS = 1 << 20
 # A tensor-core linear after a norm (``linear(..., norm=...)``: the lm_head, [q_a | kv_a]) has the norm write x
@@ -818,7 +824,7 @@ def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int,
         raise ValueError(f"linear_tc: needs bf16 weights, contiguous, K a multiple of 4 (got {W.dtype} K={K})")
     if M == 0 or N == 0:
         return
-    if plan is None and 0 < TILED_MIN_M <= M and K % tc_tiled.BK == 0 and x.is_c_contiguous():
+    if plan is None and 0 < TILED_MIN_M <= M and N >= TILED_MIN_N and K % tc_tiled.BK == 0 and x.is_c_contiguous():
         tc_tiled.tiled_gemm(x, W, y, accumulate, stream)
         return
     rt, nt, u, nw, kw = plan or tc_plan(M, N)

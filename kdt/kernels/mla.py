@@ -882,16 +882,20 @@ SPLITS_BY_WARPS = os.environ.get("KDT_MLA_SPLITS_BY_WARPS", "1") == "1"  # 0: se
 # us without a floor, 14.6 / 15.1 / 17.6 with 16 keys, 17.0 / 17.7 / 18.6 with 32, 35-36 with 128; ties at M = 16 / 64
 # up to 32): a block's walk over more tiles costs more than the queries it reloads and the partials it writes
 SPLIT_KEYS = int(os.environ.get("KDT_MLA_SPLIT_KEYS", "0"))
-# The combine in the launch (session 36; KDT_MLA_COMBINE_IN_M: at M <= this, 0: off, the default until the H200 times
-# it). At one token the attention and its combine take ~13.5 us at any prefix up to 512 keys for < 1 MB (session 31:
-# their launches' latency, not bytes), and the combine's launch is ~4.6 us + ~1 us of graph gap a layer. With it on,
-# the attention's launch holds NP = H * M * Rkv / (G * CI) more blocks, combine workers: a block's role is its ticket
+# The combine in the launch (session 36; KDT_MLA_COMBINE_IN_M: at M <= this, 0: off, the default: measured slower,
+# below). At one token the attention and its combine take ~13.5 us at any prefix up to 512 keys for < 1 MB (session 31:
+# their launches' latency, not bytes), and the combine's launch is ~4.6 us + ~1 us of graph gap a layer. With it on, the
+# attention's launch holds NP = H * M * Rkv / (G * CI) more blocks, combine workers: a block's role is its ticket
 # (kdt.kernels.common: blocks that wait), the first NS = cdiv(H, R) * M * S tickets the splits, which count themselves
-# done once their partials are written (an empty split at once), the last of them raising a flag; each worker waits
-# for the flag, then combines its (column chunk, head, token) with mla_combine2's code (_emit_combine2), reading the
+# done once their partials are written (an empty split at once), the last of them raising a flag; each worker waits for
+# the flag, then combines its (column chunk, head, token) with mla_combine2's code (_emit_combine2), reading the
 # partials through L2. The last worker to pass puts the launch's sync words back to zero. A worker has the attention's
 # NW warps (mla_combine2 at M = 1: 16), so its sums take the same terms in another order (~1e-7 apart; bit for bit in
 # the simulator, whose geometries agree). Prediction (Moonlight, M = 1): ~3 us a layer, ~80 us of the 2.9 ms AR step.
+# Measured slower, so off (H200, session 39, s39a): the attention with its combine in / apart, us, Moonlight (16
+# heads) at L = 176 / 512 / 2048 / 8192 14.1 / 13.7, 14.5 / 14.2, 18.0 / 16.7, 25.6 / 24.5; Kimi-K2 (64 heads) 27.6 /
+# 17.8 .. 66.3 / 58.5 (`scripts/bench_mla.py --kernels attention --combine-in --M 1`); Moonlight's AR step in its
+# graph 3084.0 us against 2886.7 apart (`scripts/profile_graphs.py --combine-in-ab`).
 COMBINE_IN_MAX_M = int(os.environ.get("KDT_MLA_COMBINE_IN_M", "0"))
 COMBINE_IN_CPC = 1  # a worker lane's columns: H * 16 workers of 32 columns at Rkv = 512 (the combine's M = 1 chunks)
 _CI_TICKET, _CI_DONE, _CI_PASSED = 0, 1, 2  # line 0: role tickets, splits done, workers passed

@@ -1296,7 +1296,9 @@ TC_FIT = os.environ.get("KDT_MOE_TC_FIT", "1") != "0"
 # session 36) from TILED_MIN_M tokens, where the GEMMs take x hi / lo and D % 32 == 0: each block stages an expert's
 # 64 gate and 64 up rows and its gathered tokens in shared memory, 8 warps on them; B keeps the shared down, in a
 # launch of its own after it. At 256 tokens B's routed gate_up was 475 us for ~173 us of bytes (s30a). Env
-# KDT_MOE_TILED_M; 0 (off) until the H200 times it.
+# KDT_MOE_TILED_M; 0 (off): measured slower (H200, session 39's s36e, `scripts/bench_moe.py --presets moonlight-16b-a3b
+# --M 65,128,256 --sweep --only "v2,v2 tc_tiled"`, the Moonlight layer in us, default / tiled): 510.6 / 660.3 at 65
+# tokens, 679.9 / 907.8 at 128, 1056.5 / 1497.2 at 256.
 TILED_MIN_M = int(os.environ.get("KDT_MOE_TILED_M", "0"))
 
 

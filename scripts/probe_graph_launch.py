@@ -1,0 +1,80 @@
+"""What a step graph's launch costs the host, by what the GPU is doing (run on a GPU; not a test, not a benchmark).
+
+    python scripts/probe_graph_launch.py [--nodes 300,700] [--gpu-us 3000] [--steps 64]
+
+A device step is one CUDA graph (kdt.engine.cuda_model.ForwardGraphs) of a few hundred launches, and kdt launches
+a device-drafted step while the one before it still runs (cuda_step.STEP_AHEAD). In session 39's `kdt bench`
+(Moonlight, H200) such a step's launch() took the host 52 us against 21 us for the same step launched onto an idle
+GPU (a host draft). This times ``ForwardGraphs.run`` + the event record behind it, as ``StepGraph.launch`` does, for
+a graph of ``nodes`` empty kernels led by one that keeps the GPU busy ``gpu_us``:
+
+- idle: each launch onto an idle GPU (the host waits for the step before);
+- ahead, one graph: step k + 1's launch of the same graph while step k runs (then the host waits for step k);
+- ahead, two graphs: the same, with two captures of the program used in turn (even and odd steps).
+"""
+
+import argparse
+import time
+
+import numpy as np
+from numba import cuda
+
+from kdt.engine.cuda_model import ForwardGraphs
+
+
+@cuda.jit
+def _busy(ns):
+    """One block that sleeps ~ns nanoseconds: the GPU busy as a step's forward keeps it."""
+    for _ in range(ns // 1000):
+        cuda.nanosleep(1000)
+
+
+@cuda.jit
+def _noop():
+    pass
+
+
+def launch_us(nodes: int, gpu_us: int, steps: int, mode: str) -> float:
+    """Median host microseconds of one launch (run + event record) over ``steps`` steps in ``mode``."""
+
+    def program(key, stream=0):
+        _busy[1, 32, stream](np.int64(gpu_us * 1000))
+        for _ in range(nodes - 1):
+            _noop[1, 32, stream]()
+
+    g = ForwardGraphs(program)
+    keys = (0, 1) if mode == "ahead, two graphs" else (0, 0)
+    for k in keys * 2:  # each key: direct (compiles), then captured and replayed
+        g.run(k)
+    cuda.synchronize()
+    done = [cuda.event(timing=False) for _ in range(2)]
+    times = []
+    for i in range(steps + 1):
+        if mode == "idle":
+            cuda.synchronize()
+        t0 = time.perf_counter()
+        g.run(keys[i & 1])
+        done[i & 1].record()
+        times.append(time.perf_counter() - t0)
+        if mode != "idle" and i:
+            done[(i - 1) & 1].synchronize()  # step k's tokens read after step k + 1 went in
+    cuda.synchronize()
+    return float(np.median(times[1:])) * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", default="300,700", help="kernels a graph, comma-separated")
+    ap.add_argument("--gpu-us", type=int, default=3000, help="GPU time of a step (us)")
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args()
+    modes = ("idle", "ahead, one graph", "ahead, two graphs")
+    print(f"host us a launch (ForwardGraphs.run + event record), median of {args.steps}; "
+          f"GPU busy {args.gpu_us} us a step")
+    print(f"{'nodes':>6s} " + " ".join(f"{m:>18s}" for m in modes))
+    for n in (int(v) for v in args.nodes.split(",")):
+        print(f"{n:6d} " + " ".join(f"{launch_us(n, args.gpu_us, args.steps, m):18.1f}" for m in modes))
+
+
+if __name__ == "__main__":
+    main()
