@@ -11,6 +11,10 @@ a graph of ``nodes`` empty kernels led by one that keeps the GPU busy ``gpu_us``
 - idle: each launch onto an idle GPU (the host waits for the step before);
 - ahead, one graph: step k + 1's launch of the same graph while step k runs (then the host waits for step k);
 - ahead, two graphs: the same, with two captures of the program used in turn (even and odd steps).
+
+Each wait is the engine's (``cuda_step.wait_for``: polling the event unless KDT_STEP_WAIT=block). Session 39 (H200,
+GPU busy 3 ms a step, the waits then blocking): 9.7-13.3 us a launch in every mode for 100 to 700 kernels, so neither
+launching ahead nor the graph's size explains the 52 us.
 """
 
 import argparse
@@ -20,6 +24,7 @@ import numpy as np
 from numba import cuda
 
 from kdt.engine.cuda_model import ForwardGraphs
+from kdt.engine.cuda_step import wait_for
 
 
 @cuda.jit
@@ -50,14 +55,14 @@ def launch_us(nodes: int, gpu_us: int, steps: int, mode: str) -> float:
     done = [cuda.event(timing=False) for _ in range(2)]
     times = []
     for i in range(steps + 1):
-        if mode == "idle":
-            cuda.synchronize()
+        if mode == "idle" and i:
+            wait_for(done[(i - 1) & 1])
         t0 = time.perf_counter()
         g.run(keys[i & 1])
         done[i & 1].record()
         times.append(time.perf_counter() - t0)
-        if mode != "idle" and i:
-            done[(i - 1) & 1].synchronize()  # step k's tokens read after step k + 1 went in
+        if mode != "idle" and i:  # step k's tokens read after step k + 1 went in, waited for as the engine does
+            wait_for(done[(i - 1) & 1])
     cuda.synchronize()
     return float(np.median(times[1:])) * 1e6
 
