@@ -314,7 +314,8 @@ def run_bench(target, backend: str, cfg: ModelConfig, wbytes: int, bc: BenchConf
         if P > target.max_len:
             continue
         toks, pos, mask = rng.integers(0, V, P), np.arange(P), causal_block(P)
-        ms = clock.time_ms(lambda t=toks, p=pos, m=mask: target.forward(t, p, 0, m), bc.repeats)
+        # a prefill's forward: the logits of the last row alone (kdt.reference.decode.prefill), as the peer's
+        ms = clock.time_ms(lambda t=toks, p=pos, m=mask: target.forward(t, p, 0, m, last_only=True), bc.repeats)
         r = Row(f"prefill P={P}", "prefill", P / ms * 1e3, "tok/s", ms, floor_ms(P, 0, toks, pos, mask))
         if peer is not None:
             r.peer = peer.prefill_tokens_per_s(toks)

@@ -147,14 +147,16 @@ class TransformersPeer:
             return self.model(ids).logits[0].float().cpu().numpy()
 
     def prefill_tokens_per_s(self, tokens, repeats: int = 3) -> float:
+        """Prompt tokens a second of one forward that keeps the last row's logits (``logits_to_keep=1``, as
+        transformers' generate prefills and kdt's prefill computes)."""
         ids = self.torch.as_tensor(np.asarray(tokens)[None], device=self.device)
         times = []
         with self.torch.no_grad():
-            self.model(ids)
+            self.model(ids, logits_to_keep=1)
             for _ in range(repeats):
                 self._sync()
                 t0 = time.perf_counter()
-                self.model(ids)
+                self.model(ids, logits_to_keep=1)
                 self._sync()
                 times.append(time.perf_counter() - t0)
         return len(tokens) / float(np.median(times))

@@ -5,9 +5,11 @@
     python scripts/profile_step.py moonlight-16b-a3b 256       # 256 tokens a run (default 64): one-time costs spread
 
 Wraps the pieces of ``StepGraph.step`` (draft upload, graph launch, the event behind it and the wait for
-the GPU) and the drafter's ``draft`` with timers and prints microseconds per step for AR, the oracle at
-budget 64 and the oracle chain, each with the engine's wait for the GPU (``kdt.engine.cuda_step.wait_for``: a loop of
-event queries, or with KDT_STEP_WAIT=block the blocking synchronize); then the budget-64 oracle with the other wait.
+the GPU) and the host drafter's ``draft`` with timers and prints microseconds per step for AR, the oracle at
+budget 64 drafting on the host and on the device (its steps launched ahead, as ``kdt bench`` runs it) and the oracle
+chain, each with the engine's wait for the GPU (``kdt.engine.cuda_step.wait_for``: a loop of event queries, or with
+KDT_STEP_WAIT=block the blocking synchronize); then the device's budget-64 oracle with the other wait, and with the
+other count of captures replayed in turn (``cuda_step.STEP_GRAPHS``).
 """
 
 import sys
@@ -18,7 +20,7 @@ import numpy as np
 
 from kdt.config import preset
 from kdt.drafters import OracleDrafter
-from kdt.engine import load_target
+from kdt.engine import cuda_step, load_target
 from kdt.engine.cuda_step import SPIN_WAIT, wait_for
 from kdt.fixture import read_fixture
 from kdt.reference.decode import ar_generate, generate
@@ -64,24 +66,33 @@ def main(source="fixtures/model_tiny.h5", tokens="64"):
     ar = ar_generate(target, prompt, n_new)
     seq = np.concatenate([prompt, ar.tokens, np.zeros(64, np.int64)])
     eng = SPIN_WAIT  # the engine's wait (kdt.engine.cuda_step.wait_for), then the other one
-    for name, budget, spin in (("AR", 0, eng), ("oracle b64", 64, eng), ("oracle chain", 7, eng),
-                               (f"oracle b64, {'blocking' if eng else 'spin'} wait", 64, not eng)):
-        d = OracleDrafter(seq, V) if budget else None
+    two = 3 - cuda_step.STEP_GRAPHS  # the other count of captures a step key (KDT_STEP_GRAPHS: 1 or 2)
+    for name, budget, on_device, spin, graphs in (
+            ("AR", 0, False, eng, None), ("oracle b64, host draft", 64, False, eng, None),
+            ("oracle b64, on device", 64, True, eng, None), ("oracle chain, on device", 7, True, eng, None),
+            (f"oracle b64 on device, {'blocking' if eng else 'spin'} wait", 64, True, not eng, None),
+            (f"oracle b64 on device, {two} graph(s) in turn", 64, True, eng, two)):
+        saved_graphs = cuda_step.STEP_GRAPHS
+        cuda_step.STEP_GRAPHS = graphs or saved_graphs
+        d = OracleDrafter(seq, V, on_device=on_device) if budget else None
         generate(target, prompt, n_new, drafter=d, budget=budget, block_size=8)  # warm-up: graphs captured
-        d = OracleDrafter(seq, V) if budget else None
+        d = OracleDrafter(seq, V, on_device=on_device) if budget else None
         step = target.tree_ops.device_step(d)
         acc = defaultdict(float)
         ops = target.tree_ops
-        saved = ops.upload_draft, step.graphs.run, step.done
+        saved = ops.upload_draft, step.graphs.run, step.done, cuda_step.wait_for
         ops.upload_draft = timed(acc, "upload draft", ops.upload_draft)
         step.graphs.run = timed(acc, "graph launch", step.graphs.run)
         step.done = [TimedEvent(e, acc, spin) for e in step.done]
-        if d is not None:
+        # the step's wait (StepGraph.result: wait_for with the event's poll) with ``spin``, timed
+        cuda_step.wait_for = lambda event, query=None: event.synchronize()
+        if d is not None and not on_device:
             d.draft = timed(acc, "drafter.draft (host)", d.draft)
         t0 = time.perf_counter()
         res = generate(target, prompt, n_new, drafter=d, budget=budget, block_size=8)
         wall = time.perf_counter() - t0
-        ops.upload_draft, step.graphs.run, step.done = saved
+        ops.upload_draft, step.graphs.run, step.done, cuda_step.wait_for = saved
+        cuda_step.STEP_GRAPHS = saved_graphs
         n = res.steps
         rest = res.host_s - sum(v for k, v in acc.items() if k != "wait for the GPU")
         parts = ", ".join(f"{k} {v / n * 1e6:.0f}" for k, v in acc.items()) + f", the rest {rest / n * 1e6:.0f}"

@@ -89,6 +89,29 @@ def test_forward_prefill_chunks_and_tree_verify_match_reference(dtype, fused, rn
 
 
 @sim_only
+def test_forward_last_only_matches_reference(rng):
+    """A prefill's forward with ``last_only`` (the lm_head of the last row alone, kdt.reference.decode.prefill's):
+    the reference's last row, in one forward and in chunks (P > max_tokens), into poisoned logits; its cache as a
+    whole forward's (the next AR step against the reference); the reference's last_only is its whole product's
+    last row, bit for bit."""
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    for P in (5, 11):  # one forward; two chunks of at most 8
+        prompt = rng.integers(0, MICRO.vocab_size, P)
+        cm, ref = cuda_model(MICRO, w), RefModel(MICRO, w, max_len=40)
+        cm.buf.logits.copy_to_device(np.full(cm.buf.logits.shape, np.nan, np.float32))
+        out = np.asarray(cm.forward(prompt, np.arange(P), 0, causal_block(P), last_only=True))
+        exp = ref.forward(prompt, np.arange(P), 0, causal_block(P))
+        assert out.shape == (1, MICRO.vocab_size), (P, out.shape)
+        assert rel_err(out, exp[-1:]) < 1e-5, (P, rel_err(out, exp[-1:]))
+        ref2 = RefModel(MICRO, w, max_len=40)
+        np.testing.assert_array_equal(ref2.forward(prompt, np.arange(P), 0, causal_block(P), last_only=True),
+                                      exp[-1:])
+        nxt = rng.integers(0, MICRO.vocab_size, 1)
+        out = np.asarray(cm.forward(nxt, [P], P, np.ones((1, 1), bool)))
+        assert rel_err(out, ref.forward(nxt, [P], P, np.ones((1, 1), bool))) < 1e-5, P
+
+
+@sim_only
 def test_pre_split_cache_follows_the_latent_caches(monkeypatch, rng):
     """The pre-split latent cache kv_hl [n_layers, max_len, Rkv + dr] (on by force: MICRO's kv_lora_rank 16 is
     below the tensor-core attention's shapes, kdt.engine.cuda_model.uses_kv_hl) after a prefill, a tree verify and
@@ -457,6 +480,30 @@ def test_cuda_invariant_200_random_trials(rng):
             assert res.tokens[:k] == ar.tokens[:k], (d.name, budget, block, prompt.tolist())
             trials += 1
     assert trials >= 250
+
+
+@pytest.mark.gpu
+def test_step_graphs_in_turn_gpu(rng, monkeypatch):
+    """KDT_STEP_GRAPHS=2: the steps replay two captures of their program in turn (a step launched ahead never
+    relaunches the graph the step before it runs): AR's tokens for AR and the oracle drafting on the device, both
+    captures of each step's key made and replayed."""
+    from kdt.engine import cuda_step, load_target
+    from kdt.fixture import read_fixture
+
+    monkeypatch.setattr(cuda_step, "STEP_GRAPHS", 2)
+    fx = read_fixture(str(FIXTURE))
+    V = fx.config.vocab_size
+    target = load_target(fx.config, fx.weights, "cuda", "float32", 256)
+    prompt = rng.integers(0, V, 20)
+    ar = ar_generate(target, prompt, 48, keep_logits=True)  # the separate calls: no step program
+    k = safe_len(ar.logits)
+    seq = np.concatenate([prompt, ar.tokens, rng.integers(0, V, 32)])
+    for budget in (0, 16):
+        d = OracleDrafter(seq, V, on_device=True) if budget else None
+        res = generate(target, prompt, 48, drafter=d, budget=budget, block_size=4)  # 48 / 12 steps
+        assert res.tokens[:k] == ar.tokens[:k], budget
+        step = target.tree_ops.device_step(d)
+        assert {key[-1] for key in step.graphs.graphs} == {0, 1}, (budget, set(step.graphs.graphs))
 
 
 @pytest.mark.gpu

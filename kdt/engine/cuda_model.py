@@ -406,9 +406,11 @@ class CudaModel(DecoderStack):
         """{layer: its hidden states [M, D] of the last forward} (copied to the host when read)."""
         return {i: DeviceLogits(self.feat[j, :M]) for j, i in enumerate(self.feature_layers)}
 
-    def forward(self, tokens, positions, L: int, mask, hidden_layers=()):
-        """tokens[M], positions[M], block mask [M, M] (the prefix [0, L) visible) -> logits [M, V];
-        with ``hidden_layers``, (logits, {layer: hidden states [M, D]})."""
+    def forward(self, tokens, positions, L: int, mask, hidden_layers=(), last_only: bool = False):
+        """tokens[M], positions[M], block mask [M, M] (the prefix [0, L) visible) -> logits [M, V]; ``last_only``:
+        the last row's alone [1, V], the lm_head run on that row alone (a prefill's: at M = 2048 the lm_head of every
+        row is 2048 x 163840 logits, ~18 ms on the H200); with ``hidden_layers``, (logits, {layer: hidden states
+        [M, D]})."""
         if hidden_layers:
             self.set_feature_layers(tuple(hidden_layers))
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
@@ -426,28 +428,32 @@ class CudaModel(DecoderStack):
             rows, hidden = [], {i: [] for i in hidden_layers}
             for s in range(0, M, C):
                 e = min(M, s + C)
-                out = self.forward(tokens[s:e], positions[s:e], L + s, mask[s:e, s:e], hidden_layers)
+                out = self.forward(tokens[s:e], positions[s:e], L + s, mask[s:e, s:e], hidden_layers, last_only)
                 if hidden_layers:
                     out, h = out
                     for i in hidden_layers:
                         hidden[i].append(np.asarray(h[i]))
-                rows.append(np.asarray(out))
-            logits = np.concatenate(rows)
+                if not last_only:  # (last_only: the last chunk's row, on the device, is the answer)
+                    rows.append(np.asarray(out))
+            logits = out if last_only else np.concatenate(rows)
             return (logits, {i: np.concatenate(v) for i, v in hidden.items()}) if hidden_layers else logits
         b = self.buf
         self._stage(positions, L, mask, tokens)
-        self._run(M)
-        logits = DeviceLogits(b.logits[:M])
+        self._run((M, True) if last_only else M)
+        logits = DeviceLogits(b.logits[: 1 if last_only else M])
         return (logits, self.hidden_rows(M)) if hidden_layers else logits
 
-    def _program(self, M: int, stream=0) -> None:
-        """Launch every kernel of the forward of M tokens on ``stream`` (0, or a graph builder).
-        Everything that changes from step to step (tokens, positions, mask, L) is read from the
-        buffers, so the launches depend on M alone."""
+    def _program(self, key, stream=0) -> None:
+        """Launch every kernel of the forward of M tokens (``key`` = M, or (M, True): the lm_head of the last row
+        alone, into logits row 0) on ``stream`` (0, or a graph builder). Everything that changes from step to step
+        (tokens, positions, mask, L) is read from the buffers, so the launches depend on the key alone."""
+        M, last_only = key if isinstance(key, tuple) else (key, False)
         b = self.buf
         ew.embedding(b.tokens[:M], self.embed_tokens, b.x[:M], stream=stream)
         self._layers(M, stream)
-        linear(b.x[:M], self.lm_head, b.logits[:M], stream=stream, norm=(self.norm, self.cfg.rms_norm_eps, b.a[:M]))
+        r = slice(M - 1 if last_only else 0, M)  # the rows whose logits are computed
+        linear(b.x[r], self.lm_head, b.logits[: r.stop - r.start], stream=stream,
+               norm=(self.norm, self.cfg.rms_norm_eps, b.a[r]))
 
     def compact(self, L: int, accepted) -> None:
         """Move cache slots L+accepted[i] -> L+i in every layer (one race-free kernel). ``L`` is the

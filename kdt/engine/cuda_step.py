@@ -200,6 +200,9 @@ STEP_AHEAD = os.environ.get("KDT_STEP_AHEAD", "1") != "0"
 # the GPU), 32 steps, `scripts/profile_step.py moonlight-16b-a3b 256` (session 24, s24e): host work 238 us a step
 # blocking (the event record alone 24 us, 3 us after the 7 ms chain step), 79 us polling; the chain step 33 us.
 SPIN_WAIT = os.environ.get("KDT_STEP_WAIT", "spin") != "block"
+# Steps in turn replay two captures of their program (env KDT_STEP_GRAPHS=2), so a step launched ahead never
+# relaunches the graph that the step before it is running (1: one capture a key)
+STEP_GRAPHS = int(os.environ.get("KDT_STEP_GRAPHS", "1"))
 
 
 def wait_for(event, spin: bool = SPIN_WAIT, query=None) -> None:
@@ -333,7 +336,7 @@ class StepGraph:
         if self.graphs is None:
             self._program(key)
         else:
-            self.graphs.run(key)
+            self.graphs.run(key + (self.launched % STEP_GRAPHS,))
         self.done[self.launched & 1].record()  # on stream 0, behind the step
         self.in_flight.append((self.launched, drafted, self.pending_ctx))
         self.launched += 1
@@ -397,7 +400,7 @@ class StepGraph:
                        db.positions, db.L, dm.vis_step, dm.embed_tokens, dm.mask_rows, db.x)
 
     def _program(self, key: tuple, stream=0) -> None:
-        budget, D, K, device_draft = key
+        budget, D, K, device_draft = key[:4]  # (a graph key's fifth entry: which of the STEP_GRAPHS captures)
         m, ops, s = self.model, self.ops, stream
         b, t, acc = m.buf, ops.tree, ops.acc
         d_tok, d_logp = ops.draft_buffers(D, K, mapped=not device_draft)

@@ -39,8 +39,9 @@ class Target(Protocol):
     cfg: ModelConfig
     max_len: int
 
-    def forward(self, tokens, positions, L: int, mask) -> np.ndarray:
-        """tokens[M], positions[M], block mask [M, M] (prefix [0, L) visible) -> logits [M, V]."""
+    def forward(self, tokens, positions, L: int, mask, last_only: bool = False) -> np.ndarray:
+        """tokens[M], positions[M], block mask [M, M] (prefix [0, L) visible) -> logits [M, V] (``last_only``: the
+        last row's alone, [1, V])."""
 
     def compact(self, L: int, accepted) -> None:
         """Move cache slots L+accepted[i] -> L+i in every layer."""
@@ -113,10 +114,10 @@ def prefill(target: Target, prompt: Sequence[int], drafter=None) -> tuple[int, n
     P = prompt.shape[0]
     args = (prompt, np.arange(P, dtype=np.int64), 0, causal_block(P))
     if getattr(drafter, "feature_layers", None):
-        logits, hidden = target.forward(*args, hidden_layers=drafter.feature_layers)
+        logits, hidden = target.forward(*args, hidden_layers=drafter.feature_layers, last_only=True)
         drafter.observe(hidden, 0)
     else:
-        logits = target.forward(*args)
+        logits = target.forward(*args, last_only=True)
     return P, np.asarray(logits[-1])
 
 

@@ -191,7 +191,10 @@ class RefModel:
     def caches(self) -> list[np.ndarray]:
         return [a for layer in self.layers for a in (layer.self_attn.c_kv, layer.self_attn.k_pe)]
 
-    def forward(self, tokens, positions, L: int, mask, hidden_layers=()):
+    def forward(self, tokens, positions, L: int, mask, hidden_layers=(), last_only: bool = False):
+        """tokens[M], positions[M], mask [M, M] or [M, L + M] -> logits [M, V] (``last_only``: the last row's, [1,
+        V], taken from the whole product so that its bits do not change); with ``hidden_layers``, (logits, {layer:
+        hidden states [M, D]})."""
         tokens = np.asarray(tokens, dtype=np.int64)
         M = tokens.shape[0]
         if L + M > self.max_len:
@@ -208,6 +211,7 @@ class RefModel:
             if i in hidden_layers:
                 hidden[i] = x.copy()
         logits = ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+        logits = logits[-1:] if last_only else logits
         return (logits, hidden) if hidden_layers else logits
 
     def compact(self, L: int, accepted) -> None:
