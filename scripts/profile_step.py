@@ -80,9 +80,11 @@ def main(source="fixtures/model_tiny.h5", tokens="64"):
         step = target.tree_ops.device_step(d)
         acc = defaultdict(float)
         ops = target.tree_ops
-        saved = ops.upload_draft, step.graphs.run, step.done, cuda_step.wait_for
+        saved = ops.upload_draft, step.graphs.run, step.done, cuda_step.wait_for, step.launch, step.result
         ops.upload_draft = timed(acc, "upload draft", ops.upload_draft)
         step.graphs.run = timed(acc, "graph launch", step.graphs.run)
+        step.launch = timed(acc, "launch()", step.launch)  # (all of it: its Python, upload, graph launch, record)
+        step.result = timed(acc, "result()", step.result)  # (all of it: the wait, the record's read)
         step.done = [TimedEvent(e, acc, spin) for e in step.done]
         # the step's wait (StepGraph.result: wait_for with the event's poll) with ``spin``, timed
         cuda_step.wait_for = lambda event, query=None: event.synchronize()
@@ -91,9 +93,15 @@ def main(source="fixtures/model_tiny.h5", tokens="64"):
         t0 = time.perf_counter()
         res = generate(target, prompt, n_new, drafter=d, budget=budget, block_size=8)
         wall = time.perf_counter() - t0
-        ops.upload_draft, step.graphs.run, step.done, cuda_step.wait_for = saved
+        ops.upload_draft, step.graphs.run, step.done, cuda_step.wait_for, step.launch, step.result = saved
         cuda_step.STEP_GRAPHS = saved_graphs
         n = res.steps
+        wait = acc["wait for the GPU"]
+        # launch() and result() less their timed parts, and the decode loop's own share (the rest)
+        inner = {"launch() Python": acc.pop("launch()") - sum(acc.get(k, 0.0) for k in
+                                                               ("upload draft", "graph launch", "event record")),
+                 "result() after the wait": acc.pop("result()") - wait}
+        acc.update(inner)
         rest = res.host_s - sum(v for k, v in acc.items() if k != "wait for the GPU")
         parts = ", ".join(f"{k} {v / n * 1e6:.0f}" for k, v in acc.items()) + f", the rest {rest / n * 1e6:.0f}"
         print(f"{name}: {n} steps, {wall / n * 1e6:.0f} us/step wall, host_s {res.host_s / n * 1e6:.0f} us; {parts}")
