@@ -1509,12 +1509,13 @@ s40a)  # session 40, issue 7: the Moonlight step's host work by part (scripts/pr
   tail -n 12 "$OUT/profile_step.log" | cut -c1-220 ;;
 s40b)  # session 40, issue 7: kdt bench on the Moonlight shape with this session's code (a prefill's lm_head on its last
   # row alone; the peer's logits_to_keep=1), alone on the GPU after the engine's tests beside kdt verify; then (unless
-  # S40_PROFILE=0) scripts/profile_step.py with launch() and result() split
+  # S40_PROFILE=0) scripts/profile_step.py with launch() and result() split; S40_BENCH=0: the tests and verify alone
   tparts 300 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or graphs_in_turn"
   verify_beside_tparts 250 1 engine
-  step bench_moonlight ${BENCH_TIMEOUT:-400} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
-    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s40b.json"
-  tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160
+  [ "${S40_BENCH:-1}" = 0 ] && S40_PROFILE=0
+  [ "${S40_BENCH:-1}" = 1 ] && step bench_moonlight ${BENCH_TIMEOUT:-400} python3 -m kdt.cli bench \
+    --preset moonlight-16b-a3b --dtype bf16 --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s40b.json" \
+    && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160
   [ "${S40_PROFILE:-1}" = 1 ] && step profile_step ${PROFILE_TIMEOUT:-150} python3 scripts/profile_step.py \
     moonlight-16b-a3b 256 && tail -n 6 "$OUT/profile_step.log" | cut -c1-260 ;;
 *) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b"; exit 2 ;;
