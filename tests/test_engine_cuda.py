@@ -312,6 +312,34 @@ def test_device_step_program_equals_separate_steps(rng):
 
 
 @sim_only
+def test_device_steps_end_by_the_record_flag(rng, monkeypatch):
+    """KDT_STEP_END=flag: the host learns a step's end from the record row's count (zeroed before the launch,
+    step_commit writes it last), no event: AR and the device oracle through the step program give the reference
+    AR's tokens, steps launched ahead, and a stop token read with a step in flight drops it (discard)."""
+    from kdt.engine import cuda_step
+
+    monkeypatch.setattr(cuda_step, "FLAG_WAIT", True)
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    V, n = MICRO.vocab_size, 7
+    prompt = rng.integers(0, V, 3)
+    ar = ar_generate(RefModel(MICRO, w, max_len=40), prompt, n, keep_logits=True)
+    k = safe_len(ar.logits)
+    cm = cuda_model(MICRO, w, max_len=32, max_tokens=8)
+    seq = np.concatenate([prompt, ar.tokens, rng.integers(0, V, 16)])
+    res = generate(cm, prompt, n, drafter=OracleDrafter(seq, V, on_device=True), budget=4, block_size=3)
+    assert res.tokens[:k] == ar.tokens[:k] and res.host_s is not None
+    step = cm.tree_ops.device_step(OracleDrafter(seq, V, on_device=True))
+    assert step.launched == res.steps >= 2 and not step.in_flight
+    if k < 2 or ar.tokens[1] == ar.tokens[0]:
+        return  # (no stop token that the first step reads)
+    stop = ar.tokens[1]  # read in the first step's tokens, with the second step in flight: dropped
+    res = generate(cm, prompt, n, drafter=OracleDrafter(seq, V, on_device=True), budget=4, block_size=3,
+                   stop_tokens=[stop])
+    assert res.tokens == ar.tokens[:2] and res.finish_reason == "stop" and step.dropped == 1
+    assert int(cm.buf.L.copy_to_host()[0]) == len(prompt) + sum(res.accept_lengths)
+
+
+@sim_only
 def test_device_oracle_steps(rng):
     """The oracle drafting inside the step program (OracleDrafter(on_device=True): kdt.kernels.ddtree.oracle_draft,
     whose drafts equal the host oracle's in test_ddtree_kernels): the reference AR's tokens, every step accepting
@@ -483,14 +511,18 @@ def test_cuda_invariant_200_random_trials(rng):
 
 
 @pytest.mark.gpu
-def test_step_graphs_in_turn_gpu(rng, monkeypatch):
-    """KDT_STEP_GRAPHS=2: the steps replay two captures of their program in turn (a step launched ahead never
-    relaunches the graph the step before it runs): AR's tokens for AR and the oracle drafting on the device, both
-    captures of each step's key made and replayed."""
+@pytest.mark.parametrize("option", ["graphs2", "flag"])
+def test_step_options_gpu(option, rng, monkeypatch):
+    """The step program's options: KDT_STEP_GRAPHS=2 (the steps replay two captures of their program in turn, so a
+    step launched ahead never relaunches the graph the step before it runs: both captures of each key made and
+    replayed) and KDT_STEP_END=flag (the host polls the record's count, no event): AR's tokens for AR and for the
+    oracle drafting on the device, whose steps are launched ahead."""
     from kdt.engine import cuda_step, load_target
     from kdt.fixture import read_fixture
 
-    monkeypatch.setattr(cuda_step, "STEP_GRAPHS", 2)
+    graphs = 2 if option == "graphs2" else 1
+    monkeypatch.setattr(cuda_step, "STEP_GRAPHS", graphs)
+    monkeypatch.setattr(cuda_step, "FLAG_WAIT", option == "flag")
     fx = read_fixture(str(FIXTURE))
     V = fx.config.vocab_size
     target = load_target(fx.config, fx.weights, "cuda", "float32", 256)
@@ -503,7 +535,8 @@ def test_step_graphs_in_turn_gpu(rng, monkeypatch):
         res = generate(target, prompt, 48, drafter=d, budget=budget, block_size=4)  # 48 / 12 steps
         assert res.tokens[:k] == ar.tokens[:k], budget
         step = target.tree_ops.device_step(d)
-        assert {key[-1] for key in step.graphs.graphs} == {0, 1}, (budget, set(step.graphs.graphs))
+        assert {key[-1] for key in step.graphs.graphs} == set(range(graphs)), (budget, set(step.graphs.graphs))
+        assert step.launched == res.steps and step.dropped == 0
 
 
 @pytest.mark.gpu

@@ -203,6 +203,10 @@ SPIN_WAIT = os.environ.get("KDT_STEP_WAIT", "spin") != "block"
 # Steps in turn replay two captures of their program (env KDT_STEP_GRAPHS=2), so a step launched ahead never
 # relaunches the graph that the step before it is running (1: one capture a key)
 STEP_GRAPHS = int(os.environ.get("KDT_STEP_GRAPHS", "1"))
+# The host learns that a step ended from its record row (env KDT_STEP_END=flag): it zeroes the row's count before
+# the launch and polls it in mapped memory, which step_commit writes last, after a system fence: no event recorded
+# behind the step and no driver call in the wait (event, the default: the event behind the step, queried)
+FLAG_WAIT = os.environ.get("KDT_STEP_END", "event") == "flag"
 
 
 def wait_for(event, spin: bool = SPIN_WAIT, query=None) -> None:
@@ -333,11 +337,14 @@ class StepGraph:
         else:
             key = (0, 1, 1, False)
         drafted = key[3] and self.draft_model is not None  # its drafter forward takes the pending rows in
+        if FLAG_WAIT:  # (the row's last reader, result() of the step two before, has read it)
+            self.record[self.launched & 1, 0] = 0
         if self.graphs is None:
             self._program(key)
         else:
             self.graphs.run(key + (self.launched % STEP_GRAPHS,))
-        self.done[self.launched & 1].record()  # on stream 0, behind the step
+        if not FLAG_WAIT:
+            self.done[self.launched & 1].record()  # on stream 0, behind the step
         self.in_flight.append((self.launched, drafted, self.pending_ctx))
         self.launched += 1
         self.pending_ctx = self.pending_ctx or drafted
@@ -347,9 +354,13 @@ class StepGraph:
         """The tokens committed by the oldest step in flight (waits for it: the steps' only synchronisation)."""
         i = self.in_flight.pop(0)[0]
         t1 = time.perf_counter()
-        wait_for(self.done[i & 1], query=self.polls[i & 1])
-        self.wait_s += time.perf_counter() - t1
         row = self.record[i & 1]
+        if FLAG_WAIT:
+            while row[0] == 0:  # the count (>= 1), written last by step_commit
+                pass
+        else:
+            wait_for(self.done[i & 1], query=self.polls[i & 1])
+        self.wait_s += time.perf_counter() - t1
         n = int(row[0])
         self.model.buf.vis_host = None
         return row[1: 1 + n].tolist()
@@ -369,7 +380,10 @@ class StepGraph:
         _, drafted, pending = self.in_flight[0]
         if any(f[1] != drafted for f in self.in_flight):
             raise RuntimeError("StepGraph.discard: steps in flight of both kinds (drafted and not)")
-        self.done[self.in_flight[-1][0] & 1].synchronize()
+        if FLAG_WAIT:
+            cuda.synchronize()
+        else:
+            self.done[self.in_flight[-1][0] & 1].synchronize()
         self.dropped += len(self.in_flight)
         self.in_flight.clear()
         self._set_target(L, root)

@@ -861,7 +861,8 @@ def step_commit(accepted, n_accepted, bonus, choice, L, root, record, seq):
     r = seq[0] & 1
     for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
         record[r, 1 + i] = choice[accepted[0, i]]
-    cuda.syncthreads()  # every thread has read seq before thread 0 moves it on
+    cuda.threadfence_system()  # this thread's tokens reach the host before the count (KDT_STEP_END=flag polls it)
+    cuda.syncthreads()  # every thread has read seq and fenced before thread 0 moves it on
     if cuda.threadIdx.x == 0:
         record[r, 0] = n
         root[0] = bonus[0]
