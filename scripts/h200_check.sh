@@ -1498,11 +1498,11 @@ s39c)  # session 39, issue 7: its defaults (PDL with the wait alone, KDT_PDL=2; 
     && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
 s40a)  # session 40, issue 7: the Moonlight step's host work by part (scripts/profile_step.py: AR, the budget-64 oracle
   # drafting on the host and on the device, the chain, the other wait, two captures in turn) beside the steps' tests
-  # (the invariant, graph replay, KDT_STEP_GRAPHS=2); the launch probe at a Moonlight step's 18 ms first
+  # (the invariant, graph replay, the step options); the launch probe at a Moonlight step's 18 ms first
   step probe_launch18 ${PROBE_TIMEOUT:-120} python3 scripts/probe_graph_launch.py --nodes 300,700 --gpu-us 18000 \
     --steps 24
   cat "$OUT/probe_launch18.log" | cut -c1-150
-  tparts 300 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or graphs_in_turn"
+  tparts 300 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options"
   wait
   grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_engine.log" | cut -c1-300
   step profile_step ${PROFILE_TIMEOUT:-400} python3 scripts/profile_step.py moonlight-16b-a3b 256
@@ -1510,7 +1510,7 @@ s40a)  # session 40, issue 7: the Moonlight step's host work by part (scripts/pr
 s40b)  # session 40, issue 7: kdt bench on the Moonlight shape with this session's code (a prefill's lm_head on its last
   # row alone; the peer's logits_to_keep=1), alone on the GPU after the engine's tests beside kdt verify; then (unless
   # S40_PROFILE=0) scripts/profile_step.py with launch() and result() split; S40_BENCH=0: the tests and verify alone
-  tparts 300 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or graphs_in_turn"
+  tparts 300 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options"
   verify_beside_tparts 250 1 engine
   [ "${S40_BENCH:-1}" = 0 ] && S40_PROFILE=0
   [ "${S40_BENCH:-1}" = 1 ] && step bench_moonlight ${BENCH_TIMEOUT:-400} python3 -m kdt.cli bench \
@@ -1519,7 +1519,8 @@ s40b)  # session 40, issue 7: kdt bench on the Moonlight shape with this session
   [ "${S40_PROFILE:-1}" = 1 ] && step profile_step ${PROFILE_TIMEOUT:-150} python3 scripts/profile_step.py \
     moonlight-16b-a3b 256 && tail -n 6 "$OUT/profile_step.log" | cut -c1-260 ;;
 s40c)  # session 40, issue 7: the step's end read from the record (KDT_STEP_END=flag, off by default) and the prefill's
-  # last row alone: the engine's and step_commit's gpu tests beside kdt verify; then the tiny bench with each step end
+  # last row alone: the engine's gpu tests (step_commit runs in every step) beside kdt verify; then the tiny bench
+  # with each step end
   tparts 300 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
   verify_beside_tparts 200 1 engine
   for e in event flag; do
