@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1528,7 +1528,36 @@ s40c)  # session 40, issue 7: the step's end read from the record (KDT_STEP_END=
       --dtype bf16 --json "$OUT/bench-$day-tiny-s40c-$e.json"
     grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny_$e.log"
   done ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c"; exit 2 ;;
+s41a)  # session 41, issue 7: where the Moonlight prefill's time goes (scripts/profile_kernels.py --prefill: P = 2048 as
+  # kdt bench times it, 256 as kdt generate's chunks), then the step's end read from its record against the event
+  # (scripts/profile_step.py on Moonlight with KDT_STEP_END=event / flag), then the tiny bench with each
+  step prefill_kernels ${PREFILL_TIMEOUT:-240} python3 scripts/profile_kernels.py --prefill 2048,256 --top 16
+  grep -h -A19 "^== " "$OUT/prefill_kernels.log" | cut -c1-120
+  for e in event flag; do
+    KDT_STEP_END=$e step profile_step_$e ${PROFILE_TIMEOUT:-150} python3 scripts/profile_step.py moonlight-16b-a3b 256
+    tail -n 6 "$OUT/profile_step_$e.log" | cut -c1-250
+  done
+  for e in event flag; do
+    KDT_STEP_END=$e step bench_tiny_$e ${TINY_TIMEOUT:-110} python3 -m kdt.cli bench --model fixtures/model_tiny.h5 \
+      --dtype bf16 --json "$OUT/bench-$day-tiny-s41a-$e.json"
+    grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny_$e.log"
+  done ;;
+s41b)  # session 41, issue 7: the attention's key tiles stop at the block's last visible key (half a prefill's): the
+  # attention's tensor-core gpu tests and the engine's beside kdt verify, then the prefill by kernel
+  # (scripts/profile_kernels.py --prefill 2048,256), then (unless S41_BENCH=0) kdt bench on the Moonlight shape, then
+  # the warp tile against the block-tiled GEMM at a prefill's M (scripts/bench_linear.py --tiled --M 512,2048)
+  tparts 300 attn tests/test_kernels_mla.py -k "tc_gpu or shared_by_prefix_gpu"
+  tparts 300 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
+  verify_beside_tparts 250 1 attn engine
+  step prefill_kernels ${PREFILL_TIMEOUT:-200} python3 scripts/profile_kernels.py --prefill 2048,256 --top 8
+  grep -h -A11 "^== " "$OUT/prefill_kernels.log" | cut -c1-120
+  [ "${S41_BENCH:-1}" = 1 ] && step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench \
+    --preset moonlight-16b-a3b --dtype bf16 --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s41b.json" \
+    && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160
+  step linear_tiled ${LINEAR_TIMEOUT:-120} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 512,2048 \
+    --tiled --jobs 14 --json "$OUT/linear-$day-moonlight-tiled-s41b.json"
+  tail -n 16 "$OUT/linear_tiled.log" | cut -c1-160 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -7,6 +7,10 @@ For each case (model, drafter, budget) it runs greedy ``generate`` twice:
   2. without graphs, every kernel launch queued behind a spin kernel and bracketed by CUDA events:
      each kernel's GPU time alone (the spin outlasts the launch's host cost, so the events see the
      kernel, not Python).
+``--prefill 2048[,512] [--preset NAME]``: instead, the Moonlight shape's (or the preset's) prefill forward of P
+tokens (as ``kdt bench``'s prefill rows time it: one forward, the lm_head of its last row) kernel by kernel, eager,
+each launch bracketed as above.
+
 It prints, per case, the kernels per step, their summed GPU time, the graph's wall time per step
 and the difference (what launch gaps and the host cost), and the kernels that take the most time;
 then the same GPU time by phase of the step (the learned drafter's forward, its top-k, the tree
@@ -214,16 +218,49 @@ def run_case(name, target, prompt, drafter_fn, budget, block, steps, timer, top)
             "per_phase": dict(by_phase), "per_phase_kernel": dict(per_pk)}
 
 
+def prefill_case(P: int, timer, top: int, name: str = "moonlight-16b-a3b") -> dict:
+    """Preset ``name``'s prefill of P tokens kernel by kernel: {kernel: [launches, GPU us]} of one forward."""
+    from kdt.reference.model import causal_block
+
+    cfg = preset(name)
+    t = load_target(cfg, None, "cuda", "bf16", max(1024, P), max_tokens=P)
+    t.graphs = None  # eager: every launch bracketed
+    toks, pos, mask = np.random.default_rng(0).integers(0, cfg.vocab_size, P), np.arange(P), causal_block(P)
+    for _ in range(2):  # compiles, then one untimed eager run (session 10: a one-off stall in the first)
+        t.forward(toks, pos, 0, mask, last_only=True)
+    cuda.synchronize()
+    t0 = time.perf_counter()
+    t.forward(toks, pos, 0, mask, last_only=True)
+    cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e6
+    timer.on = True
+    t.forward(toks, pos, 0, mask, last_only=True)
+    timer.on = False
+    per = {k: [len(v), sum(v)] for k, v in timer.table().items()}
+    gpu = sum(us for _, us in per.values())
+    print(f"\n== {name} bf16 prefill P={P}: eager wall {wall / 1e3:.2f} ms, "
+          f"{sum(c for c, _ in per.values())} kernels, GPU sum {gpu / 1e3:.2f} ms")
+    print(f"   {'kernel':34s} {'n':>5s} {'ms':>8s} {'us each':>9s} {'share':>6s}")
+    for k, (c, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"   {k:34s} {c:5d} {us / 1e3:8.2f} {us / c:9.1f} {us / gpu:6.1%}")
+    return {"name": f"{name} bf16 prefill P={P}", "wall_us": wall, "gpu_us": gpu, "per_kernel": per}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="tiny,code,moonlight")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--prefill", help="token counts P (comma-separated): the prefill alone, no --cases")
+    ap.add_argument("--preset", default="moonlight-16b-a3b", help="the prefill's model shape (random weights)")
     ap.add_argument("--json")
     a = ap.parse_args()
     timer = KernelTimer()
     print(f"bracket overhead (an empty kernel): {timer.calibrate():.2f} us, subtracted from every kernel")
     out = []
+    if a.prefill:
+        out = [prefill_case(int(P), timer, a.top, a.preset) for P in a.prefill.split(",")]
+        a.cases = ""
     cases = a.cases.split(",")
     if "tiny" in cases:
         fx = read_fixture("fixtures/model_tiny.h5")

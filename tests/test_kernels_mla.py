@@ -721,6 +721,22 @@ def test_mla_attention_tc_general_vis(rng):
     check_attention_tc(rng, code_cfg(), 9, 6, 2, general_vis=True)
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("L,M,S,general,visible", [(0, 24, 1, False, True), (3, 24, 3, False, True),
+                                                   (2, 24, 2, True, True), (3, 24, 3, False, False)])
+def test_mla_attention_tc_visible_tiles(rng, monkeypatch, L, M, S, general, visible):
+    """A block's key tiles stop after the last key its rows see (``t_end``): 24 tokens of model_code's 4 heads, 8
+    tokens a block. A tree's node sees no later node, so block b stops at key L + 8 b + 7, inside a tile (the keys
+    past it in that tile masked by t_end alone); with S = 3 the blocks of early tokens find no visible key in later
+    splits and write empty partials. A general pattern (rows that see later slots) stops at the last key any of the
+    block's rows sees: a kernel that took every mask for causal fails it. ``visible`` False: every block over its
+    split's keys (``KDT_MLA_ATTN_TC_VISIBLE=0``)."""
+    from kdt.kernels import attn_tc
+
+    monkeypatch.setattr(attn_tc, "VISIBLE_TILES", visible)
+    check_attention_tc(rng, code_cfg(), L, M, S, general_vis=general)
+
+
 def check_shared_by_prefix(rng, cfg, M: int, S: int, LX: int) -> None:
     """Token counts that both kernels take by prefix (attn_tc.shares_tc: M tokens, the tensor cores from LX keys):
     with L on the device (a CUDA graph) both launch into the same NaN-poisoned partials, each returning at once
@@ -803,10 +819,11 @@ def test_mla_attention_tc_dispatch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.kernels
 @pytest.mark.parametrize("H,L,M", [(16, 0, 16), (16, 512, 16), (16, 8192, 64), (16, 512, 256), (16, 8192, 256),
-                                   (64, 512, 16), (64, 8192, 64), (4, 100, 17)])
+                                   (16, 0, 256), (64, 512, 16), (64, 8192, 64), (4, 100, 17)])
 def test_mla_attention_tc_gpu(rng, H, L, M):
     """On tensor cores at real shapes, as the engine calls it (device L, splits from max_len = 8192 + 256), and in
-    one split."""
+    one split; (16, 0, 256): a prefill's tree of 256 tokens, whose blocks stop at their last visible key after 1 to
+    16 of the 16 tiles."""
     from kdt.kernels import attn_tc
 
     cfg = real_cfg(H)

@@ -25,7 +25,9 @@ and ldmatrix):
 
 Splits and partials as version 2: grid (cdiv(M H, BR), S); split sp takes keys [sp kps, (sp + 1) kps), kps =
 cdiv(L + M, S) rounded up to BC; S = 1 writes o_lat, else part[(rho S + sp) (Rkv + 2) + ..] = (acc, max, sum) for
-kdt.kernels.mla's version 2 combine (launched with BT = BC).
+kdt.kernels.mla's version 2 combine (launched with BT = BC). A block's tiles stop after the last key its rows see
+(``VISIBLE_TILES``: the last visible new key of its tokens' vis rows), half a causal prefill's; a split left with none
+writes an empty partial (max -inf, sum 0).
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ NEG_INF = float32(-np.inf)
 TC_MIN_M = int(os.environ.get("KDT_MLA_ATTN_TC_M", "96"))
 TC_LONG_M = int(os.environ.get("KDT_MLA_ATTN_TC_LONG_M", "16"))
 TC_LONG_L = int(os.environ.get("KDT_MLA_ATTN_TC_LONG_L", "1024"))
+# A block's key tiles stop after the last key its rows see (session 41, s41b: the Moonlight prefill of 2048 tokens'
+# attention 72.3 -> 42.1 ms on the H200, the tiles of a causal prefill halved); env KDT_MLA_ATTN_TC_VISIBLE=0: every
+# block over all the keys of its split, as before (for a same-run A/B).
+VISIBLE_TILES = os.environ.get("KDT_MLA_ATTN_TC_VISIBLE", "1") != "0"
 MIN_KEYS_PER_SPLIT = 128  # a split's keys at least (the block loads its Q once a split)
 SPLIT_BLOCKS_PER_SM = 2  # the splits aim at this many blocks an SM (a tail of one wave in two)
 # the default geometry (session 32, s32a, Moonlight attention + combine at M = 64 / 256, L = 8192: 437.8 / 1610.4 us
@@ -141,12 +147,13 @@ def layout(BC, NM, NWK, BR, SKW, SPW, RAW, HL=False, **_) -> dict:
 
 
 def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CWW, F2, ZW, RAW, C4, CPR, HL, Q4,
-            ops: set | None = None, LMIN: int = 0, **_) -> str:
+            ops: set | None = None, LMIN: int = 0, VIS: bool = True, **_) -> str:
     """Python source of the kernel (module docstring), loops over registers written out. Two spellings of its shared
     memory: under the simulator Numba arrays and kdt.kernels.tc's emulations; on the GPU one dynamic array addressed
     by 32-bit registers plus immediates (``tc.smem_at``; the (op, immediate) pairs used go to ``ops``), intrinsics
     and builtins only: Numba's 64-bit index arithmetic and its inlined device functions cost more instructions than
-    the mma themselves."""
+    the mma themselves. ``VIS``: a block's tiles stop after its rows' last visible key (``VISIBLE_TILES``), else at
+    its split's end."""
     s = Src()
     NP = BC // 16  # key pairs of n-tiles
     lay = layout(BC, NM, NWK, BR, SKW, SPW, RAW, HL)
@@ -164,12 +171,12 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
     def shfl(v: str, off: int) -> str:
         return f"shfl(xbuf, tid, {v}, {off})" if IS_SIM else f"cuda.shfl_xor_sync(0xFFFFFFFF, {v}, {off})"
 
-    def issue(tn: str) -> None:  # cp.async of keys [tn, tn + BC) (rows past t_hi: the last key's) into raw
+    def issue(tn: str) -> None:  # cp.async of keys [tn, tn + BC) (rows past t_end: the last key's) into raw
         if IS_SIM:
             with s.block(f"for e in range(tid, {BC * CPR}, {NT}):"):
                 s(f"kk = e // {CPR}")
                 s(f"ch = e - kk * {CPR}")
-                s(f"tr = min({tn} + kk, t_hi - 1)")
+                s(f"tr = min({tn} + kk, t_end - 1)")
                 with s.block(f"if ch < {C4}:"):
                     s(f"cp_async16(raw, kk * {F} + 4 * ch, c_kv, tr * {Rkv} + 4 * ch, 16)")
                 with s.block("else:"):
@@ -182,13 +189,13 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
         s("cp_async_commit()")
 
     def tile_chunks(tn: str):  # this thread's 16-byte chunks e = tid + NT j (yields j) of keys [tn, tn + BC): key kk
-        # (its row tr: rows past t_hi the last key's), its chunk ch
+        # (its row tr: rows past t_end the last key's), its chunk ch
         for j in range(cdiv(BC * CPR, NT)):
             with s.block(f"if tid + {NT * j} < {BC * CPR}:" if (j + 1) * NT > BC * CPR else "if True:"):
                 s(f"e = tid + {NT * j}")
                 s(f"kk = e // {CPR}")
                 s(f"ch = e - kk * {CPR}")
-                s(f"tr = min({tn} + kk, t_hi - 1)")
+                s(f"tr = min({tn} + kk, t_end - 1)")
                 yield j
 
     def issue_hl(tn: str, buf: str) -> None:  # cp.async of pre-split keys [tn, tn + BC) into plane buffer buf
@@ -230,6 +237,26 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
             s("return")
         s("t_hi = min(t_lo + kps, T)")
         s(f"row0 = cuda.blockIdx.x * {BR}")
+        if not VIS:
+            s("t_end = t_hi")
+        else:
+            s("# the block's last visible new key jv (its tokens' vis rows): keys from L + jv + 1 on are masked")
+            s("# for every row, so the tiles stop at t_end (a causal prefill or a tree, whose nodes see no later")
+            s("# node: tokens m_a .. m_b see keys below L + m_b + 1, about half a prefill's tiles)")
+            s("m_a = row0 // H")
+            s(f"m_b = min(row0 + {BR - 1}, MH - 1) // H")
+            s("jv = -1")
+            with s.block("for mv in range(m_a, m_b + 1):"):
+                with s.block(f"for jj in range(tid, M, {NT}):"):
+                    with s.block("if vis[mv, jj] != 0:"):
+                        s("jv = max(jv, jj)")
+            s("sJv = cuda.shared.array(1, int64)")
+            with s.block("if tid == 0:"):
+                s("sJv[0] = -1")
+            s("cuda.syncthreads()")
+            s("cuda.atomic.max(sJv, 0, jv)")
+            s("cuda.syncthreads()")
+            s("t_end = min(t_hi, L + sJv[0] + 1)")
         s(f"sMl = cuda.shared.array((2, {BR}), float32)  # a row's final max and sum")
         s(f"# softmax role: row sr of the block ({TPR} threads a row), keys sub * KPT .. (threads past BR rows: the")
         s("# last row again, never written)")
@@ -313,15 +340,17 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
                 s(" = ".join(f"o_{q}_{n}_{j}" for j in range(4)) + " = float32(0.0)")
         if HL:  # the plane buffer of this tile (simulator: its index; GPU: its byte offset) and of the next
             s("bk = 0" if IS_SIM else "bk = uint32(0)")
-            issue_hl("t_lo", "bk" if IS_SIM else "sb")
-        else:
-            issue("t_lo")
-        with s.block(f"for t0 in range(t_lo, t_hi, {BC}):"):
+        with s.block("if t_lo < t_end:  # (else no tile: this split's partials stay empty, max NEG_INF, sum 0)"):
+            if HL:
+                issue_hl("t_lo", "bk" if IS_SIM else "sb")
+            else:
+                issue("t_lo")
+        with s.block(f"for t0 in range(t_lo, t_end, {BC}):"):
             s("cp_async_wait()")
             s("cuda.syncthreads()  # the tile's copies landed; everyone is done with the previous tile")
             if HL:
                 s("bn = 1 - bk" if IS_SIM else f"bn = uint32({4 * BUFW}) - bk")
-                with s.block(f"if t0 + {BC} < t_hi:  # the next tile's copies, in flight during this one"):
+                with s.block(f"if t0 + {BC} < t_end:  # the next tile's copies, in flight during this one"):
                     issue_hl(f"t0 + {BC}", "bn" if IS_SIM else "(sb + bn)")
                 if IS_SIM:
                     s("sKh = sKp[bk, 0]")
@@ -345,7 +374,7 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
                         s(at("st_u32", 4 * KLO, "pa", "lw"))
             if not HL:
                 s("cuda.syncthreads()")
-                with s.block(f"if t0 + {BC} < t_hi:  # the next tile's copies, in flight during this one"):
+                with s.block(f"if t0 + {BC} < t_end:  # the next tile's copies, in flight during this one"):
                     issue(f"t0 + {BC}")
             s("# ---- this warp's part of S = Q K^T over its feature steps, all BC keys")
             for p in range(NP):
@@ -382,7 +411,7 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
                     s(f"v_{k} = " + " + ".join(f"sS[smt, {w}, srr, sub * {KPT} + {k}]" for w in range(NWK)))
                 else:
                     s(f"v_{k} = " + " + ".join(at("ld_f32", 4 * (w * 16 * SSW + k), "sSr") for w in range(NWK)))
-                s(f"v_{k} = v_{k} if (tk < t_hi and (tk < L or vis[m_me, tk - L] != 0)) else NEG_INF")
+                s(f"v_{k} = v_{k} if (tk < t_end and (tk < L or vis[m_me, tk - L] != 0)) else NEG_INF")
             online_softmax(s, [f"v_{k}" for k in range(KPT)], TPR, shfl)
             with s.block("if sw:"):
                 for k in range(0, KPT, 2):
@@ -459,15 +488,16 @@ def _source(Rkv, dr, F, NM, BC, NWK, TPR, BR, NT, KSW, FP, SKW, SPW, KPT, CP, CW
 
 @functools.cache
 def kernel(Rkv: int, dr: int, NM: int = NM_DEFAULT, BC: int = BC_DEFAULT, NWK: int = NWK_DEFAULT, regs: int = 0,
-           HL: bool = False, LMIN: int = 0):
+           HL: bool = False, LMIN: int = 0, VIS: bool = True):
     """The kernel for one geometry (cached); ``.geom`` holds its constants. ``regs``: ptxas's register cap (0: none;
     the default geometry takes 255, one block an SM); ``HL``: it reads the pre-split cache (:func:`params`); LMIN >
-    0: it returns at once for prefixes L < LMIN (:func:`shares_tc`)."""
+    0: it returns at once for prefixes L < LMIN (:func:`shares_tc`); ``VIS``: a block's key tiles stop after the
+    last key its rows see (:data:`VISIBLE_TILES`)."""
     g = params(Rkv, dr, NM, BC, NWK, HL)
     ns = dict(cuda=cuda, float32=float32, uint32=uint32, uint64=uint64, int64=int64, math=math, NEG_INF=NEG_INF,
               FRAG=tc.frag_shape(g["NWK"] * NM), cp_async_commit=tc.cp_async_commit, cp_async_wait=tc.cp_async_wait(0))
     ops: set = set()
-    src = _source(**g, ops=ops, LMIN=LMIN)
+    src = _source(**g, ops=ops, LMIN=LMIN, VIS=VIS)
     if IS_SIM:
         ns.update(mma=tc.mma_bf16, ldsm=tc.ldsm_x4, ldsm_t=tc.ldsm_x4_t, split=tc.split_bf16x2, shfl=_shfl_xor,
                   cp_async16=tc.cp_async16)
@@ -491,7 +521,7 @@ def attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, par
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     HL = kv_hl is not None
-    k = kernel(Rkv, dr, NM, BC, NWK, regs, HL, LMIN)
+    k = kernel(Rkv, dr, NM, BC, NWK, regs, HL, LMIN, VISIBLE_TILES)
     g = k.geom
     caches = (kv_hl,) if HL else (c_kv_cache, k_pe_cache)
     args = (q_abs, q_pe, *caches, L_dev, vis, np.float32(scale), o_lat, part)
@@ -503,11 +533,13 @@ def attention(q_abs, q_pe, c_kv_cache, k_pe_cache, L_dev, vis, scale, o_lat, par
 def _register() -> None:
     f32_1, f32_2, f32_3 = float32[::1], float32[:, ::1], float32[:, :, ::1]
     rest = (int64[::1], uint8[:, ::1], float32, f32_3, f32_1)
-    for Rkv, dr, NM, NWK, HL, LMIN in ((512, 64, 2, 4, True, 0), (512, 64, 2, 4, True, 1024),
-                                       (512, 64, 2, 4, False, 0), (512, 64, 1, 8, False, 0), (64, 16, 2, 4, True, 0)):
+    for Rkv, dr, NM, NWK, HL, LMIN, VIS in ((512, 64, 2, 4, True, 0, True), (512, 64, 2, 4, True, 1024, True),
+                                            (512, 64, 2, 4, False, 0, True), (512, 64, 1, 8, False, 0, True),
+                                            (64, 16, 2, 4, True, 0, True), (512, 64, 2, 4, True, 0, False)):
         sig = (f32_3, f32_3) + ((uint32[:, ::1],) if HL else (f32_2, f32_2)) + rest
-        register_ptx(kernel(Rkv, dr, NM, BC_DEFAULT, NWK, HL=HL, LMIN=LMIN), sig,
-                     name=f"mla_attention_tc[Rkv={Rkv},NM={NM},NWK={NWK},HL={int(HL)},LMIN={LMIN}]")
+        register_ptx(kernel(Rkv, dr, NM, BC_DEFAULT, NWK, HL=HL, LMIN=LMIN, VIS=VIS), sig,
+                     name=f"mla_attention_tc[Rkv={Rkv},NM={NM},NWK={NWK},HL={int(HL)},LMIN={LMIN}"
+                          + ("" if VIS else ",VIS=0") + "]")
 
 
 _register()
