@@ -46,6 +46,15 @@ verify_beside_tparts() {  # verify_beside_tparts T CODE NAMES...: kdt verify of 
   for n in "$@"; do echo "pytest $n:"; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_$n.log" \
     | cut -c1-300; done
 }
+tiny_bench_by_step_end() {  # tiny_bench_by_step_end TAG: kdt bench on the tiny fixture (bf16) with each step
+  # end (KDT_STEP_END=event, then flag; $TINY_TIMEOUT s each, 110), JSON bench-DAY-tiny-TAG-END.json; its decode and
+  # host lines
+  for e in event flag; do
+    KDT_STEP_END=$e step bench_tiny_$e ${TINY_TIMEOUT:-110} python3 -m kdt.cli bench --model fixtures/model_tiny.h5 \
+      --dtype bf16 --json "$OUT/bench-$day-tiny-$1-$e.json"
+    grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny_$e.log"
+  done
+}
 parts() {  # parts FILE: FILE into $OUT in 15 MB pieces (the device returns at most 8 files of 16 MiB each);
   # put it back together with: cat NAME.part* > NAME
   split -b 15000000 -d "$1" "$OUT/$(basename "$1").part"
@@ -1523,11 +1532,7 @@ s40c)  # session 40, issue 7: the step's end read from the record (KDT_STEP_END=
   # with each step end
   tparts 300 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
   verify_beside_tparts 200 1 engine
-  for e in event flag; do
-    KDT_STEP_END=$e step bench_tiny_$e ${TINY_TIMEOUT:-110} python3 -m kdt.cli bench --model fixtures/model_tiny.h5 \
-      --dtype bf16 --json "$OUT/bench-$day-tiny-s40c-$e.json"
-    grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny_$e.log"
-  done ;;
+  tiny_bench_by_step_end s40c ;;
 s41a)  # session 41, issue 7: where the Moonlight prefill's time goes (scripts/profile_kernels.py --prefill: P = 2048 as
   # kdt bench times it, 256 as kdt generate's chunks), then the step's end read from its record against the event
   # (scripts/profile_step.py on Moonlight with KDT_STEP_END=event / flag), then the tiny bench with each
@@ -1537,11 +1542,7 @@ s41a)  # session 41, issue 7: where the Moonlight prefill's time goes (scripts/p
     KDT_STEP_END=$e step profile_step_$e ${PROFILE_TIMEOUT:-150} python3 scripts/profile_step.py moonlight-16b-a3b 256
     tail -n 6 "$OUT/profile_step_$e.log" | cut -c1-250
   done
-  for e in event flag; do
-    KDT_STEP_END=$e step bench_tiny_$e ${TINY_TIMEOUT:-110} python3 -m kdt.cli bench --model fixtures/model_tiny.h5 \
-      --dtype bf16 --json "$OUT/bench-$day-tiny-s41a-$e.json"
-    grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny_$e.log"
-  done ;;
+  tiny_bench_by_step_end s41a ;;
 s41b)  # session 41, issue 7: the attention's key tiles stop at the block's last visible key (half a prefill's): the
   # attention's tensor-core gpu tests and the engine's beside kdt verify, then the prefill by kernel
   # (scripts/profile_kernels.py --prefill 2048,256), then (unless S41_BENCH=0) kdt bench on the Moonlight shape, then
