@@ -3,7 +3,9 @@
     python scripts/bench_mla.py [--presets moonlight-16b-a3b,kimi-k2] [--dtype bf16] [--json PATH]
                                 [--quick] [--kernels uv_project] [--split-keys 32,64] [--M 16,64,256] [--tc]
 
-Rows: q_absorb and uv_project at M = 1, 16, 64 (uv_project v2 on tensor cores from 16, "v2 fma" beside it); mla
+Rows: q_absorb and uv_project at M = 1, 16, 64 (uv_project v2 on tensor cores from 16, "v2 fma" beside it; q_absorb
+with bf16 weights from mla.QABS_TC_MIN_M tokens also "v2 kv" / "v2 kv tc", the engine's launch with the latent write,
+the absorb on FMA tiles / tensor cores, and "tc gemm PLAN", the tensor cores' GEMM alone by plan); mla
 attention at M = 1, 16, 64 and L = 512, 8192 (--L) with
   - "S(L)": the splits each version picks for that L (what kdt.kernels.bench times), L on the device;
   - "S(max)": the splits the engine uses (``mla_num_splits(max_len, M)``, max_len = 8192 + 64; most
@@ -67,6 +69,8 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
         kv_hl = cuda.to_device(mla.kv_hl_np(c_kv.copy_to_host(), k_pe.copy_to_host()))
     cos, sin = (cuda.to_device(t) for t in mla.rope_tables(cfg, MAX_LEN))
     scale = cfg.softmax_scale
+    uk_t = mla.absorb_tc_weights(kv_b, H, dn)  # None: the absorb stays on FMA tiles
+    c, gw, L0 = rand((max(Ms), Rkv + dr)), rand((Rkv,)), cuda.to_device(np.array([0], np.int64))
     for M in Ms:
         q, pos = rand((M, H * (dn + dr))), cuda.to_device(np.arange(M, dtype=np.int64))
         q_abs, q_pe, o_lat = rand((M, H, Rkv)), rand((M, H, dr)), cuda.device_array((M, H, Rkv), np.float32)
@@ -75,6 +79,15 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
             yield ("q_absorb", f"M={M} H={H}", f"v{v}",
                    lambda i, v=v, q=q, pos=pos, a=q_abs, p=q_pe: mla.q_absorb(q, kv_b, pos, cos, sin, True, a, p,
                                                                           version=v), nb)
+        if uk_t is not None and M >= mla.QABS_TC_MIN_M:  # the absorb on tensor cores (mla.absorb_uses_tc)
+            tca = (uk_t, mla.absorb_tc_scratch(M, H, dn))
+            for tag, t in (("", None), (" tc", tca)):  # as the engine launches it: with the latent write
+                yield ("q_absorb", f"M={M} H={H}", f"v2 kv{tag}",
+                       lambda i, q=q, pos=pos, a=q_abs, p=q_pe, t=t, cm=c[:M]: mla.latent_write_and_absorb(
+                           cm, gw, 1e-6, L0, c_kv, k_pe, q, kv_b, pos, cos, sin, True, a, p, kv_hl=kv_hl, tc_abs=t), nb)
+            for plan in ABSORB_PLANS:  # the tensor cores' GEMM alone, by plan
+                yield ("q_absorb", f"M={M} H={H}", "tc gemm " + ",".join(map(str, plan(M))),
+                       lambda i, a=q_abs, t=tca, pl=plan(M): mla._absorb_tc(t, a, plan=pl), nb)
         vis = cuda.to_device(np.tril(np.ones((M, M), np.uint8)))
         for L in Ls:
             T = L + M
@@ -130,6 +143,12 @@ def rows(name: str, dtype: str, quick: bool, split_keys: tuple[int, ...] = (), L
                    lambda i, v=v, ol=o_lat, o=o: mla.uv_project(ol, kv_b, o, version=v), nb)
         if mla.uv_uses_tc(M, kv_b, H, dv):  # v2 runs on tensor cores here: its FMA tiles beside it
             yield "uv_project", f"M={M} H={H}", "v2 fma", lambda i, ol=o_lat, o=o: _uv_fma(ol, kv_b, o), nb
+
+
+# plans (rt, nt, u, nw, kw) of the absorb's GEMM on tensor cores timed (mla._absorb_tc_plan is one): 32 columns a
+# block, its 4 warps splitting dn; 128 columns, a warp each and all of dn; 64, two warps each
+ABSORB_PLANS = tuple((lambda M, u=u, kw=kw: (2, mla._absorb_tc_plan(M)[1], u, 4, kw))
+                     for u, kw in ((2, 0), (4, 1), (4, 2)))
 
 
 def _uv_fma(o_lat, kv_b, o) -> None:

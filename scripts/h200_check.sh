@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -54,6 +54,28 @@ tiny_bench_by_step_end() {  # tiny_bench_by_step_end TAG: kdt bench on the tiny 
       --dtype bf16 --json "$OUT/bench-$day-tiny-$1-$e.json"
     grep -h "decode AR:\|oracle chain:\|oracle:\|host work" "$OUT/bench_tiny_$e.log"
   done
+}
+attn_visible_ab() {  # attn_visible_ab TAG: the same-run A/B of the attention's visible tiles (KDT_MLA_ATTN_TC_VISIBLE=0
+  # / 1, a process each): Moonlight's attention on tensor cores alone (the engine's pre-split cache and splits, a causal
+  # mask) at M = 64 / 256 and L = 0 / 512 / 8192 (session 41's verify rows at L = 8192 read 1.6-2.3% slower than
+  # session 39's), JSON mla-DAY-moonlight-visV-TAG.json
+  for v in 0 1; do
+    KDT_MLA_ATTN_TC_VISIBLE=$v step mla_vis$v ${MLA_TIMEOUT:-200} python3 scripts/bench_mla.py --presets \
+      moonlight-16b-a3b --kernels attention --tc --quick --M 64,256 --L 0,512,8192 --only "v2 tc hl S(max)" \
+      --json "$OUT/mla-$day-moonlight-vis$v-$1.json"
+    grep -h "tc hl" "$OUT/mla_vis$v.log" | cut -c1-160
+  done
+}
+absorb_checks() {  # absorb_checks TAG TESTS M: the MLA gpu tests matching TESTS and the engine's beside kdt verify,
+  # then the absorb alone (scripts/bench_mla.py --kernels q_absorb at the token counts M: the engine's launch with the
+  # latent write on FMA tiles / on tensor cores, the GEMM by plan), then the visible-tiles A/B (attn_visible_ab)
+  tparts 300 mla tests/test_kernels_mla.py -k "$2"
+  tparts 300 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
+  verify_beside_tparts 250 1 mla engine
+  step qabs ${MLA_TIMEOUT:-200} python3 scripts/bench_mla.py --presets moonlight-16b-a3b --kernels q_absorb --tc \
+    --quick --M "$3" --json "$OUT/mla-$day-moonlight-qabs-$1.json"
+  grep -h "q_absorb" "$OUT/qabs.log" | cut -c1-160
+  attn_visible_ab "$1"
 }
 parts() {  # parts FILE: FILE into $OUT in 15 MB pieces (the device returns at most 8 files of 16 MiB each);
   # put it back together with: cat NAME.part* > NAME
@@ -1558,16 +1580,28 @@ s41b)  # session 41, issue 7: the attention's key tiles stop at the block's last
   step linear_tiled ${LINEAR_TIMEOUT:-120} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 512,2048 \
     --tiled --jobs 14 --json "$OUT/linear-$day-moonlight-tiled-s41b.json"
   tail -n 16 "$OUT/linear_tiled.log" | cut -c1-160 ;;
-s41c)  # session 41 (owed): the same-run A/B of the attention's visible tiles (KDT_MLA_ATTN_TC_VISIBLE=0 / 1, a process
-  # each): Moonlight's attention on tensor cores alone (the engine's pre-split cache and splits, a causal mask) at M = 64
-  # / 256 and L = 0 / 512 / 8192 (session 41's verify rows at L = 8192 read 1.6-2.3% slower than session 39's)
-  for v in 0 1; do
-    KDT_MLA_ATTN_TC_VISIBLE=$v step mla_vis$v ${MLA_TIMEOUT:-200} python3 scripts/bench_mla.py --presets \
-      moonlight-16b-a3b --kernels attention --tc --quick --M 64,256 --L 0,512,8192 --only "v2 tc hl S(max)" \
-      --json "$OUT/mla-$day-moonlight-vis$v-s41c.json"
-    grep -h "tc hl" "$OUT/mla_vis$v.log" | cut -c1-160
-  done ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c"; exit 2 ;;
+s41c)  # session 41 (owed): the same-run A/B of the attention's visible tiles (attn_visible_ab)
+  attn_visible_ab s41c ;;
+s42a)  # session 42, issue 7: q_absorb on tensor cores (absorb_checks): its gpu tests and the engine's beside kdt verify,
+  # the absorb alone at M = 16 / 65 / 256 / 2048, session 41's owed visible-tiles A/B
+  absorb_checks s42a "absorb_tc_gpu or fused_gpu" 16,65,256,2048 ;;
+s42b)  # session 42, issue 7: the absorb's rule and plans from s42a, the attention's visible-tiles max a warp at a time:
+  # the same with the attention's tensor-core gpu tests, the absorb from M = 32
+  absorb_checks s42b "absorb_tc_gpu or fused_gpu or tc_gpu or shared_by_prefix_gpu" 32,65,256,2048 ;;
+s42c)  # session 42, issue 7: kdt bench on the Moonlight shape with session 42's defaults, then the budget-64 oracle
+  # step's programs in their graphs with the absorb on tensor cores against FMA tiles (scripts/profile_graphs.py
+  # --absorb-tc-ab, one process), then (unless S42_PREFILL=0) the prefill by kernel
+  step bench_moonlight ${BENCH_TIMEOUT:-360} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s42c.json" \
+    && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160
+  step graphs_ab ${GRAPHS_TIMEOUT:-150} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --drafter oracle \
+    --budget 64 --launches none --absorb-tc-ab --json "$OUT/profile-graphs-$day-moonlight-absorb-ab-s42c.json"
+  grep -h -A8 "^== whole" "$OUT/graphs_ab.log" | cut -c1-120
+  if [ "${S42_PREFILL:-1}" = 1 ]; then
+    step prefill_kernels ${PREFILL_TIMEOUT:-150} python3 scripts/profile_kernels.py --prefill 2048,256 --top 9
+    grep -h -A12 "^== " "$OUT/prefill_kernels.log" | cut -c1-120
+  fi ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

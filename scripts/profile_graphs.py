@@ -16,7 +16,8 @@ to the next node; eager profiles (scripts/profile_kernels.py) see neither. This 
 
 ``--pdl-ab``: every whole program is also timed captured without programmatic dependent launch (the same kernels;
 kdt.kernels.common's PDL section). ``--combine-in-ab``: also with the one-token attention's combine in its launch
-switched (kdt.kernels.mla.COMBINE_IN_MAX_M: on if the environment left it off, else off).
+switched (kdt.kernels.mla.COMBINE_IN_MAX_M: on if the environment left it off, else off). ``--absorb-tc-ab``: also
+with q_absorb's absorb on its FMA kernel where it runs on tensor cores (kdt.kernels.mla.QABS_TC_MIN_M = 0).
 
 Replays would change the state: each step commits tokens, so L would grow by thousands over the replays and
 the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
@@ -176,6 +177,9 @@ def main() -> int:
     ap.add_argument("--combine-in-ab", action="store_true",
                     help="also time each whole program with the one-token attention's combine in its launch switched "
                     "(kdt.kernels.mla.COMBINE_IN_MAX_M)")
+    ap.add_argument("--absorb-tc-ab", action="store_true",
+                    help="also time each whole program with q_absorb's absorb on FMA tiles where it runs on tensor "
+                    "cores (kdt.kernels.mla.QABS_TC_MIN_M = 0)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -237,6 +241,10 @@ def main() -> int:
     if args.combine_in_ab:
         switches.append((f"programs_us_combine_in_{int(not ci)}", f"ci {int(not ci)}",
                           lambda on: setattr(mla, "COMBINE_IN_MAX_M", int(not ci) if on else ci)))
+    if args.absorb_tc_ab:
+        qa = mla.QABS_TC_MIN_M
+        switches.append(("programs_us_absorb_fma", "abs FMA",
+                         lambda on: setattr(mla, "QABS_TC_MIN_M", 0 if on else qa)))
     if switches:
         print(f"  {'':34s} {('PDL' if pdl else 'no PDL') + f', ci {int(bool(ci))}':>12s} "
               + " ".join(f"{label:>8s}" for _, label, _ in switches))

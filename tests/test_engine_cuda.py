@@ -112,6 +112,27 @@ def test_forward_last_only_matches_reference(rng):
 
 
 @sim_only
+def test_forward_absorb_on_tensor_cores_matches_reference(monkeypatch, rng):
+    """The absorb on tensor cores (kdt.kernels.mla.absorb_uses_tc; on by force: MICRO's W_uk is below its size rule):
+    W_uk^T a layer, a prefill and a tree verify against the reference (bf16 weights)."""
+    from kdt.kernels import mla
+
+    monkeypatch.setattr(mla, "QABS_TC_MIN_M", 2)
+    monkeypatch.setattr(mla, "UV_ROW_PER_WARP_ELEMS", 0)
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    cm, ref = cuda_model(MICRO, w, "bf16"), RefModel(MICRO, w, max_len=40)
+    assert all(t is not None for t in cm.uk_t) and cm.q_hl is not None
+    P = 5
+    prompt = rng.integers(0, MICRO.vocab_size, P)
+    out = np.asarray(cm.forward(prompt, np.arange(P), 0, causal_block(P)))
+    assert rel_err(out, ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
+    vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
+    out = np.asarray(cm.forward(toks, pos, P, vis))
+    assert rel_err(out, ref.forward(toks, pos, P, vis)) < 1e-5
+
+
+@sim_only
 def test_pre_split_cache_follows_the_latent_caches(monkeypatch, rng):
     """The pre-split latent cache kv_hl [n_layers, max_len, Rkv + dr] (on by force: MICRO's kv_lora_rank 16 is
     below the tensor-core attention's shapes, kdt.engine.cuda_model.uses_kv_hl) after a prefill, a tree verify and

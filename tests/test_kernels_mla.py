@@ -263,7 +263,16 @@ def test_kv_latent_write_bf16_norm(rng):
 
 
 # ---- 2. q_absorb ------------------------------------------------------------------------------------
-def check_q_absorb(rng, cfg, M, wdtype, interleave, version=None):
+def absorb_tc_args(kv_b_d, cfg, M: int):
+    """(W_uk^T, q_hl poisoned: every bf16 half NaN) for the absorb on tensor cores, which M tokens then take."""
+    H, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
+    tc_abs = (mla.absorb_tc_weights(kv_b_d, H, dn), cuda.to_device(np.full((M * H, dn // 2), ~np.uint64(0))))
+    assert mla.absorb_uses_tc(M, tc_abs)
+    return tc_abs
+
+
+def check_q_absorb(rng, cfg, M, wdtype, interleave, version=None, tc_abs: bool = False):
+    """q_absorb against float64; ``tc_abs``: with (W_uk^T, q_hl), the absorb on tensor cores (version 2)."""
     H, dn, dr, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     L = 7
     positions = (L + rng.integers(0, M + 1, size=M)).astype(np.int64)
@@ -272,7 +281,8 @@ def check_q_absorb(rng, cfg, M, wdtype, interleave, version=None):
     q = rng.standard_normal((M, H * (dn + dr))).astype(np.float32)
     q_abs_d, q_pe_d = cuda.to_device(poisoned((M, H, Rkv))), cuda.to_device(poisoned((M, H, dr)))
     d = cuda.to_device
-    mla.q_absorb(d(q), kv_b_d, d(positions), d(cos_tab), d(sin_tab), interleave, q_abs_d, q_pe_d, version=version)
+    mla.q_absorb(d(q), kv_b_d, d(positions), d(cos_tab), d(sin_tab), interleave, q_abs_d, q_pe_d, version=version,
+                 tc_abs=absorb_tc_args(kv_b_d, cfg, M) if tc_abs else None)
     q_abs, q_pe = q_abs_d.copy_to_host(), q_pe_d.copy_to_host()
     qr = q.astype(np.float64).reshape(M, H, dn + dr)
     cos, sin = ops.rope_cos_sin(cfg, positions, np.float64)
@@ -293,11 +303,51 @@ def test_q_absorb(rng, M, wdtype, version):
     check_q_absorb(rng, micro_cfg(), M, wdtype, interleave=(M == 1), version=version)
 
 
-def check_latent_write_and_absorb(rng, cfg, M, wdtype):
+def absorb_tc_cfg(monkeypatch):
+    """model shape for the absorb on tensor cores in the simulator (from one token, any W_uk size): 3 heads, dn = 24
+    (6 weight words: the second group of 4 half past K), Rkv = 24 (the block's 32 latent columns: its second row tile
+    half past them)."""
+    monkeypatch.setattr(mla, "QABS_TC_MIN_M", 1)
+    monkeypatch.setattr(mla, "UV_ROW_PER_WARP_ELEMS", 0)
+    return micro_cfg(num_attention_heads=3, kv_lora_rank=24, qk_nope_head_dim=24)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M, plan", [(3, None), (9, None), (9, (2, 2, 2, 4, 0)), (3, (2, 1, 4, 4, 1))])
+def test_q_absorb_tc(rng, monkeypatch, M, plan):
+    """The absorb on tensor cores (q_rope_hl's launch, then kdt.kernels.tc.gemm_kernel a head on W_uk^T) against
+    float64 on the rounded weights; 8-token tiles (the second partial at M = 9), the default plan (2 row groups of 2
+    warps) and 4 warps splitting dn / row groups of one warp. W_uk^T is built only for bf16 weights of more than
+    UV_ROW_PER_WARP_ELEMS elements, and M >= QABS_TC_MIN_M takes it."""
+    cfg = absorb_tc_cfg(monkeypatch)
+    if plan is not None:
+        monkeypatch.setattr(mla, "_absorb_tc_plan", lambda M: plan)
+    check_q_absorb(rng, cfg, M, "bf16", interleave=True, version=2, tc_abs=True)
+    kv_b = np.zeros((3 * (24 + cfg.v_head_dim), 24), np.uint16)
+    assert mla.absorb_tc_weights(kv_b.astype(np.float32), 3, 24) is None
+    monkeypatch.setattr(mla, "UV_ROW_PER_WARP_ELEMS", 3 * 24 * 24)
+    assert mla.absorb_tc_weights(kv_b, 3, 24) is None
+    monkeypatch.setattr(mla, "QABS_TC_MIN_M", M + 1)
+    assert not mla.absorb_uses_tc(M, (cuda.to_device(kv_b), None))
+
+
+def test_uk_transposed_np():
+    """W_uk^T's rows: row h Rkv + r of head h is column r of W_uk[h] (the first dn of its dn + dv kv_b rows)."""
+    H, dn, dv, Rkv = 3, 4, 2, 5
+    kv_b = np.arange(H * (dn + dv) * Rkv).reshape(H * (dn + dv), Rkv)
+    wt = mla.uk_transposed_np(kv_b, H, dn)
+    assert wt.shape == (H * Rkv, dn) and wt.flags.c_contiguous
+    for h in range(H):
+        np.testing.assert_array_equal(wt[h * Rkv: (h + 1) * Rkv], kv_b[h * (dn + dv): h * (dn + dv) + dn].T)
+
+
+def check_latent_write_and_absorb(rng, cfg, M, wdtype, tc_abs: bool = False):
     """The fused launch (KDT_MLA_FUSE_KV) writes exactly what kv_latent_write and q_absorb (v2) write apart,
     both tested against the reference above: q and c column slices of one stacked projection as in the
     engine, outputs poisoned, cache slots outside [L, L + M) left alone; fused with the pre-split cache too
-    (its rows kv_hl_np of the latents, the other outputs' bits unchanged)."""
+    (its rows kv_hl_np of the latents, the other outputs' bits unchanged). ``tc_abs``: also fused with the
+    absorb on tensor cores (q_rope_hl's launch with the latent write): q_pe and the caches bit for bit, q_abs
+    within BF16_ROUNDED_BOUND of the FMA kernel's."""
     H, dn, dr, Rkv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     Nq, L, max_len = H * (dn + dr), 5, 5 + M + 3
     positions = (L + rng.integers(0, M + 1, size=M)).astype(np.int64)
@@ -307,17 +357,25 @@ def check_latent_write_and_absorb(rng, cfg, M, wdtype):
     gw = cuda.to_device((1.0 + 0.1 * rng.standard_normal(Rkv)).astype(np.float32))
     pos_d, L_d = cuda.to_device(positions), cuda.to_device(np.array([L], np.int64))
     got = []
-    for fuse, hl in ((False, None), (True, None), (True, hl_stack(max_len, Rkv + dr))):
+    runs = [(False, None, None), (True, None, None), (True, hl_stack(max_len, Rkv + dr), None)]
+    if tc_abs:
+        runs.append((True, hl_stack(max_len, Rkv + dr), absorb_tc_args(kv_b_d, cfg, M)))
+    for fuse, hl, tca in runs:
         out = [cuda.to_device(poisoned(sh)) for sh in ((M, H, Rkv), (M, H, dr), (max_len, Rkv), (max_len, dr))]
         mla.latent_write_and_absorb(qkv[:, Nq:], gw, cfg.rms_norm_eps, L_d, out[2], out[3], qkv[:, :Nq], kv_b_d,
                                     pos_d, cos_d, sin_d, cfg.rope_interleave, out[0], out[1], fuse=fuse,
-                                    kv_hl=None if hl is None else hl[1])
+                                    kv_hl=None if hl is None else hl[1], tc_abs=tca)
         got.append([o.copy_to_host() for o in out] + ([] if hl is None else [hl.copy_to_host()]))
     assert not np.isnan(got[0][0]).any() and not np.isnan(got[0][2][L:L + M]).any()
-    for run in got[1:]:
+    for run in got[1:3]:
         for sep, fused in zip(got[0], run[:4], strict=True):  # NaN (never written) where the separate launches
             np.testing.assert_array_equal(fused.view(np.uint32), sep.view(np.uint32))  # left NaN, bit for bit
-    check_kv_hl_run(got[0][2:], got[2][2:], L, M)
+    if tc_abs:
+        for fma, on_tc in zip(got[2][1:], got[3][1:], strict=True):  # q_pe, c_kv, k_pe, kv_hl
+            np.testing.assert_array_equal(on_tc.view(np.uint32), fma.view(np.uint32))
+        err = rel_err(got[3][0], got[0][0])
+        assert err < BF16_ROUNDED_BOUND, err
+    check_kv_hl_run(got[0][2:], got[2][2:], L, M)  # (it poisons the rows it checked)
 
 
 def test_latent_write_block_matches_q_absorb2():
@@ -332,6 +390,13 @@ def test_latent_write_block_matches_q_absorb2():
 @pytest.mark.parametrize("M, wdtype", [(1, "f32"), (5, "bf16"), (17, "f32")])  # 17: three latent-write slices
 def test_latent_write_and_absorb_fused(rng, M, wdtype):
     check_latent_write_and_absorb(rng, micro_cfg(), M, wdtype)
+
+
+@pytest.mark.kernels
+def test_latent_write_and_absorb_fused_tc(rng, monkeypatch):
+    """The engine's launch with the absorb on tensor cores: 5 tokens of 3 heads (5 latent-write slices of grid x =
+    1 and 3 heads, one z-slice more than the absorb's)."""
+    check_latent_write_and_absorb(rng, absorb_tc_cfg(monkeypatch), 5, "bf16", tc_abs=True)
 
 
 # ---- 4. uv_project ----------------------------------------------------------------------------------
@@ -603,7 +668,15 @@ def test_mla_attention_gpu_v2_split_keys(rng, H, L, M, split_keys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H, M, wdtype", [(16, 1, "bf16"), (16, 17, "bf16"), (4, 17, "f32"), (64, 65, "bf16")])
 def test_latent_write_and_absorb_fused_gpu(rng, H, M, wdtype):
-    check_latent_write_and_absorb(rng, real_cfg(H), M, wdtype)
+    check_latent_write_and_absorb(rng, real_cfg(H), M, wdtype, tc_abs=wdtype == "bf16" and M >= mla.QABS_TC_MIN_M)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.parametrize("H, M", [(16, 32), (16, 65), (16, 256), (64, 65), (16, 2048)])
+def test_q_absorb_tc_gpu(rng, H, M):
+    """The absorb on tensor cores at Moonlight's (H = 16) and Kimi's (64) shapes, 32 .. 2048 tokens (every plan)."""
+    check_q_absorb(rng, real_cfg(H), M, "bf16", interleave=True, version=2, tc_abs=True)
 
 
 @pytest.mark.gpu

@@ -282,6 +282,12 @@ class DecoderStack:
         self.cfg, self.max_len, self.M_max = cfg, int(max_len), int(max_tokens)
         self.layers = [load_layer(cfg, src, i) for i in range(cfg.num_hidden_layers)]
         n = cfg.num_hidden_layers
+        # the absorb on tensor cores (kdt.kernels.mla.absorb_tc_weights): W_uk transposed a layer where its weights
+        # qualify, and the hi / lo q_nope rows it reads
+        H, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
+        self.uk_t = [mla.absorb_tc_weights(lw.kv_b_proj, H, dn) if self.M_max >= mla.QABS_TC_MIN_M else None
+                     for lw in self.layers]
+        self.q_hl = mla.absorb_tc_scratch(self.M_max, H, dn) if any(w is not None for w in self.uk_t) else None
         self.c_kv = cuda.to_device(np.zeros((n, self.max_len, cfg.kv_lora_rank), np.float32))
         self.k_pe = cuda.to_device(np.zeros((n, self.max_len, cfg.qk_rope_head_dim), np.float32))
         F = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -346,7 +352,8 @@ class DecoderStack:
             kv_hl = None if self.kv_hl is None else self.kv_hl[i]
             mla.latent_write_and_absorb(qkv[:, b.Nq:], lw.kv_a_layernorm, eps, b.L, self.c_kv[i], self.k_pe[i], q,
                                         lw.kv_b_proj, positions, self.cos_tab, self.sin_tab, cfg.rope_interleave,
-                                        b.q_abs[:M], b.q_pe[:M], stream=s, kv_hl=kv_hl)
+                                        b.q_abs[:M], b.q_pe[:M], stream=s, kv_hl=kv_hl,
+                                        tc_abs=None if self.uk_t[i] is None else (self.uk_t[i], self.q_hl))
             mla.mla_attention(b.q_abs[:M], b.q_pe[:M], self.c_kv[i], self.k_pe[i], b.L, vis, cfg.softmax_scale,
                               b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s, kv_hl=kv_hl,
                               max_len=self.max_len, sync=b.attn_sync)

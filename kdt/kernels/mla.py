@@ -329,20 +329,21 @@ def _q_absorb_kernel(wdtype: str, dn: int, TM: int, NT: int = _QA_NT):
 
 
 def q_absorb(q, kv_b, positions, cos_tab, sin_tab, interleave: bool, q_abs, q_pe, stream=0,
-             version: int | None = None) -> None:
+             version: int | None = None, tc_abs=None) -> None:
     """q_abs[m,h,r] = sum_{d<dn} q[m, h*(dn+dr)+d] * kv_b[h*(dn+dv)+d, r];  q_pe[m,h] = rope(q[m,h,dn:]).
 
     q[M, H*(dn+dr)] f32; kv_b[H*(dn+dv), Rkv] f32 or bf16 (uint16); positions[M] int64;
     cos_tab, sin_tab[max_pos, dr/2] f32; outputs q_abs[M, H, Rkv] f32, q_pe[M, H, dr] f32.
     The softmax scale is not applied here (mla_attention takes it). ``version``: 1 or 2 (default
-    :data:`VERSION`, env ``KDT_MLA_VERSION``).
+    :data:`VERSION`, env ``KDT_MLA_VERSION``). ``tc_abs`` (version 2): (W_uk^T, q_hl) of :func:`absorb_tc_weights`
+    and :func:`absorb_tc_scratch`, the absorb then on tensor cores where :func:`absorb_uses_tc`.
     """
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     if M == 0:
         return
     if _version(version) == 2:
-        _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream)
+        _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream, tc_abs=tc_abs)
         return
     dn = q.shape[1] // H - dr
     TM = _q_absorb_tm(M)
@@ -1529,14 +1530,24 @@ def _q_absorb2_params(M: int, dn: int) -> tuple[int, int, int]:
     return TM, 32, NWD
 
 
-def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False, HL: bool = False) -> str:
+def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False, HL: bool = False, ABS: bool = True) -> str:
+    """The v2 q_absorb kernel's source; ``ABS`` False: no absorb, its blocks write q_pe and q_nope in the hi / lo
+    layout for the absorb on tensor cores (:func:`_absorb_tc`), as ``q_hl`` (the layout's uint16 view [M H, 2 dn])
+    in q_abs's place, no kv_b."""
     s = Src()
     kv_args = (", c, kv_a_layernorm, eps, L_dev, c_kv_cache, k_pe_cache" + (", kv_hl" if HL else "")) if KV else ""
-    with s.block(f"def q_absorb2_kernel(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe{kv_args}):"):
-        s('"""q[M, H*(dn+dr)] f32, kv_b[H*(dn+dv), Rkv] f32|bf16 -> q_abs[M, H, Rkv] = q_nope @ W_uk[h],')
-        s("q_pe[M, H, dr] = rope(q[.., dn:]). Grid (cdiv(Rkv, G), H, cdiv(M, TM)), block (NWD*G,): warp w")
-        s("sums d in [w*DPW, (w+1)*DPW) for latent column cb*G + lane (its DPW weight loads issued before")
-        s("any is used); the NWD warp partials are summed in shared memory.")
+    head = "q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe" if ABS else \
+        "q, positions, cos_tab, sin_tab, interleave, q_hl, q_pe"
+    with s.block(f"def {'q_absorb2_kernel' if ABS else 'q_rope_hl_kernel'}({head}{kv_args}):"):
+        if ABS:
+            s('"""q[M, H*(dn+dr)] f32, kv_b[H*(dn+dv), Rkv] f32|bf16 -> q_abs[M, H, Rkv] = q_nope @ W_uk[h],')
+            s("q_pe[M, H, dr] = rope(q[.., dn:]). Grid (cdiv(Rkv, G), H, cdiv(M, TM)), block (NWD*G,): warp w")
+            s("sums d in [w*DPW, (w+1)*DPW) for latent column cb*G + lane (its DPW weight loads issued before")
+            s("any is used); the NWD warp partials are summed in shared memory.")
+        else:
+            s('"""q[M, H*(dn+dr)] f32 -> q_pe[M, H, dr] = rope(q[.., dn:]) and q_hl row m H + h = q[m, h, :dn] in')
+            s("the hi / lo layout (kdt.kernels.tc.put_hilo; the absorb runs on tensor cores).")
+            s("Grid (1, H, cdiv(M, TM)), block (NWD*G,).")
         if KV:
             s("With the latent write (kv_latent_write's arguments after q_pe): grid z has cdiv(M, gx * gy)")
             s("more slices, whose blocks each write one token's latent into the cache" + (" and kv_hl." if HL else "."))
@@ -1554,19 +1565,26 @@ def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False, HL: bool = 
         s("cb = cuda.blockIdx.x")
         s("h = cuda.blockIdx.y")
         s("m0 = cuda.blockIdx.z * TM")
-        s("w = tid // G")
-        s("j = tid - w * G")
-        s("H = q_abs.shape[1]")
-        s("Rkv = q_abs.shape[2]")
+        s("H = q_pe.shape[1]")
         s("dr = q_pe.shape[2]")
         s("dh = DN + dr")
-        s("dnv = kv_b.shape[0] // H")
-        s("sq = cuda.shared.array(SQ_SHAPE, float32)")
-        s("red = cuda.shared.array(RED_SHAPE, float32)")
-        with s.block("for idx in range(tid, TM * DN, NT):"):
-            s("i = idx // DN")
-            s("d = idx - i * DN")
-            s("sq[i, d] = q[m0 + i, h * dh + d] if m0 + i < M else float32(0.0)")
+        if ABS:
+            s("w = tid // G")
+            s("j = tid - w * G")
+            s("Rkv = q_abs.shape[2]")
+            s("dnv = kv_b.shape[0] // H")
+            s("sq = cuda.shared.array(SQ_SHAPE, float32)")
+            s("red = cuda.shared.array(RED_SHAPE, float32)")
+            with s.block("for idx in range(tid, TM * DN, NT):"):
+                s("i = idx // DN")
+                s("d = idx - i * DN")
+                s("sq[i, d] = q[m0 + i, h * dh + d] if m0 + i < M else float32(0.0)")
+        else:
+            with s.block("for idx in range(tid, TM * DN, NT):"):
+                s("i = idx // DN")
+                s("d = idx - i * DN")
+                with s.block("if m0 + i < M:"):
+                    s("put_hilo(q_hl, (m0 + i) * H + h, d, q[m0 + i, h * dh + d])")
         with s.block("if cb == 0:"):
             s("half = dr // 2")
             with s.block("for idx in range(tid, TM * dr, NT):"):
@@ -1575,6 +1593,8 @@ def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False, HL: bool = 
                 with s.block("if m0 + i < M:"):
                     s("q_pe[m0 + i, h, jr] = rope_elem(q, m0 + i, h * dh + DN, jr, half, interleave, cos_tab, "
                       "sin_tab, positions[m0 + i])")
+        if not ABS:
+            return s.text()
         s("r = min(cb * G + j, Rkv - 1)")
         s("row0 = h * dnv + w * DPW")
         for dd in range(DPW):
@@ -1600,43 +1620,116 @@ def _q_absorb2_source(TM: int, DPW: int, NWD: int, KV: bool = False, HL: bool = 
 
 @functools.cache
 def _q_absorb2_kernel(wdtype: str, dn: int, TM: int, G: int, NWD: int, kv_norm_dtype: str | None = None,
-                      hl: bool = False):
+                      hl: bool = False, absorb: bool = True):
     """The v2 q_absorb kernel; with ``kv_norm_dtype`` (the kv_a_layernorm weight's dtype) it also writes
-    the latents (see :func:`latent_write_and_absorb`), with ``hl`` too their pre-split rows (``kv_hl`` last)."""
+    the latents (see :func:`latent_write_and_absorb`), with ``hl`` too their pre-split rows (``kv_hl`` last);
+    ``absorb`` False: rope and q_nope's hi / lo rows for the absorb on tensor cores (``wdtype`` not read)."""
     if dn % NWD:
         raise ValueError(f"q_absorb v2: dn={dn} not a multiple of {NWD} warps")
     DPW = dn // NWD
     NT = G * NWD
-    ns = dict(cuda=cuda, float32=float32, uint64=uint64, load=weight_loader(np.dtype(wdtype)),
-              rope_elem=_rope_elem, TM=TM, G=G, NT=NT, DN=dn, DPW=DPW, SQ_SHAPE=(TM, dn), RED_SHAPE=(NWD, TM, G))
+    ns = dict(cuda=cuda, float32=float32, uint64=uint64, rope_elem=_rope_elem, put_hilo=tc.put_hilo, TM=TM, G=G,
+              NT=NT, DN=dn, DPW=DPW, SQ_SHAPE=(TM, dn), RED_SHAPE=(NWD, TM, G))
+    if absorb:
+        ns["load"] = weight_loader(np.dtype(wdtype))
     ns.update({f"U{i}": np.uint64(i) for i in range(DPW)})
     kv = kv_norm_dtype is not None
     if kv:
         ns.update(kv_write=_kv_write_token(kv_norm_dtype, NT), kv_hl_write=_kv_hl_write)
-    k = jit_source(_q_absorb2_source(TM, DPW, NWD, kv, kv and hl), "q_absorb2_kernel", ns, __name__)
+    k = jit_source(_q_absorb2_source(TM, DPW, NWD, kv, kv and hl, absorb),
+                   "q_absorb2_kernel" if absorb else "q_rope_hl_kernel", ns, __name__)
     k.threads = NT
     return k
 
 
-def _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=0, kv=None) -> None:
+def _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=0, kv=None,
+                 tc_abs=None) -> None:
     """``kv`` = (c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, kv_hl): kv_latent_write in the same launch
-    (kv_hl None: without the pre-split cache)."""
+    (kv_hl None: without the pre-split cache). ``tc_abs`` = (W_uk^T, q_hl) (:func:`absorb_tc_weights`,
+    :func:`absorb_tc_scratch`): the absorb on tensor cores where :func:`absorb_uses_tc` (this launch then writes
+    q_nope's hi / lo rows for it instead)."""
     M, H, Rkv = q_abs.shape
     dr = q_pe.shape[2]
     dn = q.shape[1] // H - dr
     TM, G, NWD = _q_absorb2_params(M, dn)
-    gx, nqz = cdiv(Rkv, G), cdiv(M, TM)
+    on_tc = absorb_uses_tc(M, tc_abs)
+    gx, nqz = (1 if on_tc else cdiv(Rkv, G)), cdiv(M, TM)
     il = np.int32(1 if interleave else 0)
+    wdt = np.dtype(kv_b.dtype).name
+    head = (q, positions, cos_tab, sin_tab, il, tc_abs[1][: M * H].view(np.uint16), q_pe) if on_tc else \
+        (q, kv_b, positions, cos_tab, sin_tab, il, q_abs, q_pe)
     if kv is None:
-        k = _q_absorb2_kernel(np.dtype(kv_b.dtype).name, dn, TM, G, NWD)
-        k[(gx, H, nqz), k.threads, stream](q, kv_b, positions, cos_tab, sin_tab, il, q_abs, q_pe)
-        return
-    c, gw, eps, L, c_kv_cache, k_pe_cache, kv_hl = kv
-    hl = _check_kv_hl(kv_hl, c_kv_cache, k_pe_cache)
-    k = _q_absorb2_kernel(np.dtype(kv_b.dtype).name, dn, TM, G, NWD, np.dtype(gw.dtype).name, bool(hl))
-    k[(gx, H, nqz + cdiv(M, gx * H)), k.threads, stream](q, kv_b, positions, cos_tab, sin_tab, il, q_abs, q_pe, c, gw,
-                                                          np.float32(eps), device_scalar(L), c_kv_cache, k_pe_cache,
-                                                          *hl)
+        k = _q_absorb2_kernel(wdt, dn, TM, G, NWD, absorb=not on_tc)
+        k[(gx, H, nqz), k.threads, stream](*head)
+    else:
+        c, gw, eps, L, c_kv_cache, k_pe_cache, kv_hl = kv
+        hl = _check_kv_hl(kv_hl, c_kv_cache, k_pe_cache)
+        k = _q_absorb2_kernel(wdt, dn, TM, G, NWD, np.dtype(gw.dtype).name, bool(hl), absorb=not on_tc)
+        k[(gx, H, nqz + cdiv(M, gx * H)), k.threads, stream](*head, c, gw, np.float32(eps), device_scalar(L),
+                                                              c_kv_cache, k_pe_cache, *hl)
+    if on_tc:
+        _absorb_tc(tc_abs, q_abs, stream)
+
+
+# q_absorb on tensor cores (session 42): q_abs[m, h] = W_uk[h]^T q_nope[m, h] as kdt.kernels.tc.gemm_kernel a head (16
+# latent columns x 8 tokens a mma), from QABS_TC_MIN_M tokens, where the engine keeps W_uk transposed a head
+# (``absorb_tc_weights``: bf16, dn % 4 == 0, more than UV_ROW_PER_WARP_ELEMS elements; Moonlight's 16 x 128 x 512,
+# 2 MB a layer) and q_absorb2's launch, without its absorb, writes q_nope in the hi / lo layout for it
+# (``absorb_tc_scratch``). Measured (H100, s42a, `scripts/bench_mla.py --kernels q_absorb --tc`, Moonlight, the
+# engine's launch with the latent write, FMA / tensor cores in us, the GEMM at the default plan of the time): 9.0 / 10.1
+# at 16 tokens, 26.3 / 18.6 at 65, 81.9 / 36.8 at 256, 634.0 / 239.6 at 2048. So from 32 (the crossover between 16
+# and 65 not measured; ~24 by a line through both). Env KDT_MLA_QABS_TC_M=0: never.
+QABS_TC_MIN_M = int(os.environ.get("KDT_MLA_QABS_TC_M", "32"))
+
+
+def uk_transposed_np(kv_b: np.ndarray, H: int, dn: int) -> np.ndarray:
+    """W_uk^T a head on the host: [H Rkv, dn], row h Rkv + r = W_uk[h][:, r] = kv_b[h (dn + dv) + d, r] over d < dn
+    (kv_b [H (dn + dv), Rkv], any dtype)."""
+    Rkv = kv_b.shape[1]
+    return np.ascontiguousarray(kv_b.reshape(H, -1, Rkv)[:, :dn].transpose(0, 2, 1).reshape(H * Rkv, dn))
+
+
+def absorb_tc_weights(kv_b, H: int, dn: int):
+    """W_uk^T a head for the absorb on tensor cores, uint64 [1, H Rkv, dn / 4] (:func:`uk_transposed_np`'s bf16
+    viewed as words), from kv_b (device or host, bf16 as uint16); None where it stays on FMA tiles: float32 weights,
+    dn % 4, a small W_uk (at most UV_ROW_PER_WARP_ELEMS elements, the tiny fixture's and drafters': latency-bound),
+    or QABS_TC_MIN_M = 0."""
+    Rkv = kv_b.shape[1]
+    if QABS_TC_MIN_M <= 0 or np.dtype(kv_b.dtype) != np.uint16 or dn % 4 or H * dn * Rkv <= UV_ROW_PER_WARP_ELEMS:
+        return None
+    host = kv_b.copy_to_host() if hasattr(kv_b, "copy_to_host") else np.asarray(kv_b)
+    return cuda.to_device(uk_transposed_np(host, H, dn).view(np.uint64).reshape(1, H * Rkv, dn // 4))
+
+
+def absorb_tc_scratch(M_max: int, H: int, dn: int):
+    """q_nope's hi / lo rows for the absorb on tensor cores: uint64 [M_max H, dn / 2] (kdt.kernels.tc.XL_HILO)."""
+    return cuda.device_array((M_max * H, dn // 2), np.uint64)
+
+
+def absorb_uses_tc(M: int, tc_abs) -> bool:
+    """q_absorb (v2) of M tokens runs its absorb on tensor cores: ``tc_abs`` = (W_uk^T, q_hl) given (the weights
+    qualified: :func:`absorb_tc_weights`) and M >= QABS_TC_MIN_M."""
+    return tc_abs is not None and tc_abs[0] is not None and 0 < QABS_TC_MIN_M <= M
+
+
+def _absorb_tc_plan(M: int) -> tuple[int, int, int, int, int]:
+    """(rt, nt, u, nw, kw) of kdt.kernels.tc.gemm_kernel for the absorb (K = dn = 128 at Moonlight: 8 groups of 4
+    words): 4 warps, 4 groups in flight; to 128 tokens in 2 row groups (64 latent columns a block, a warp's 4 groups
+    one step), past it in 4 (128 columns, each warp all of dn); token tiles as uv_project's (:func:`_uv_tc_plan`).
+    Measured (H100, s42a, the GEMM alone in us, all 4 warps splitting dn / row groups of 1 / of 2): 12.5 / 13.1 /
+    **11.0** at 65 tokens, 25.6 / **23.0** / 23.3 at 256, 178.2 / **138.2** / 149.8 at 2048."""
+    return 2, 1 if M <= 16 else 2 if M <= 64 else 4, 4, 4, 2 if M <= 128 else 1
+
+
+def _absorb_tc(tc_abs, q_abs, stream=0, plan: tuple | None = None) -> None:
+    """q_abs[M, H, Rkv] = W_uk^T q_nope a head on tensor cores from q_nope's hi / lo rows (tc_abs = (W, q_hl)), on
+    :func:`_absorb_tc_plan` or ``plan``."""
+    W, q_hl = tc_abs
+    M, H, Rkv = q_abs.shape
+    rt, nt, u, nw, kw = plan or _absorb_tc_plan(M)
+    R = tc.MMA_ROWS * rt * tc.row_groups(nw, kw)[2]  # latent columns a block
+    tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO, kw, heads=True)[(cdiv(M, 8 * nt), cdiv(Rkv, R), H), nw * 32, stream](
+        q_hl[: M * H], W, 0, q_abs.reshape(M, H * Rkv), False)
 
 
 # One launch for kv_latent_write and q_absorb (v2) per layer instead of two (``latent_write_and_absorb``; env
@@ -1648,17 +1741,18 @@ FUSE_KV = os.environ.get("KDT_MLA_FUSE_KV", "1") == "1"
 
 
 def latent_write_and_absorb(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, q, kv_b, positions, cos_tab, sin_tab,
-                            interleave: bool, q_abs, q_pe, stream=0, fuse: bool | None = None, kv_hl=None) -> None:
+                            interleave: bool, q_abs, q_pe, stream=0, fuse: bool | None = None, kv_hl=None,
+                            tc_abs=None) -> None:
     """:func:`kv_latent_write` then :func:`q_absorb` (their arguments; ``kv_hl``: None or the pre-split cache
     uint32 [max_len, Rkv + dr], also written at rows [L, L+M)), in one launch with ``fuse`` (default ``FUSE_KV``)
-    and the v2 kernels, else in two."""
+    and the v2 kernels, else in two; ``tc_abs``: q_absorb's."""
     if (FUSE_KV if fuse is None else fuse) and _version(None) == 2 and q_abs.shape[0] > 0:
         _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream,
-                     kv=(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, kv_hl))
+                     kv=(c, kv_a_layernorm, eps, L, c_kv_cache, k_pe_cache, kv_hl), tc_abs=tc_abs)
         return
     kv_latent_write(c, kv_a_layernorm, eps, positions, cos_tab, sin_tab, L, c_kv_cache, k_pe_cache, interleave,
                     stream=stream, kv_hl=kv_hl)
-    q_absorb(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream)
+    q_absorb(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, stream=stream, tc_abs=tc_abs)
 
 
 # v2 uv_project -----------------------------------------------------------------------------------------
@@ -1748,6 +1842,15 @@ def _register() -> None:
                      name=f"uv_project_kernel[{wdt},RPW=1]")
     for M in (16, 64, 256):  # on tensor cores (uv_uses_tc)
         register_ptx(tc.gemm_kernel(*_uv_tc_plan(M), heads=True), (f32_2, uint64[:, :, ::1], int64, f32_2, boolean))
+    for M in (64, 128, 256):  # the absorb's (absorb_uses_tc)
+        rt, nt, u, nw, kw = _absorb_tc_plan(M)
+        register_ptx(tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO, kw, heads=True),
+                     (uint64[:, ::1], uint64[:, :, ::1], int64, f32_2, boolean))
+    for TM, q_t in ((8, f32_2), (8, f32_2a)):  # the absorb's rope + q_nope hi / lo launch, with the latent write
+        for hl, hl_t, tag in hls:
+            register_ptx(_q_absorb2_kernel("uint16", dn, TM, 32, 8, "float32", hl, absorb=False),
+                         (q_t, i64_1, f32_2, f32_2, int32, u16_2, f32_3, f32_2a, f32_1, float32, i64_1, f32_2, f32_2,
+                          *hl_t), name=f"q_rope_hl_kernel[TM={TM},{'A' if q_t is f32_2a else 'C'}{tag}]")
     # Moonlight / Kimi (H >= 16; the prefetch modes), H = 4 at Rkv 512 and the tiny fixture (one warp)
     for rkv, d_r, NW, PFs in ((Rkv, dr, 4, (0, 1, 2)), (Rkv, dr, 1, (2,)), (64, 16, 1, (2,))):
         for PF in PFs:
