@@ -1675,10 +1675,11 @@ def _q_absorb_v2(q, kv_b, positions, cos_tab, sin_tab, interleave, q_abs, q_pe, 
 # latent columns x 8 tokens a mma), from QABS_TC_MIN_M tokens, where the engine keeps W_uk transposed a head
 # (``absorb_tc_weights``: bf16, dn % 4 == 0, more than UV_ROW_PER_WARP_ELEMS elements; Moonlight's 16 x 128 x 512,
 # 2 MB a layer) and q_absorb2's launch, without its absorb, writes q_nope in the hi / lo layout for it
-# (``absorb_tc_scratch``). Measured (H100, s42a, `scripts/bench_mla.py --kernels q_absorb --tc`, Moonlight, the
-# engine's launch with the latent write, FMA / tensor cores in us, the GEMM at the default plan of the time): 9.0 / 10.1
-# at 16 tokens, 26.3 / 18.6 at 65, 81.9 / 36.8 at 256, 634.0 / 239.6 at 2048. So from 32 (the crossover between 16
-# and 65 not measured; ~24 by a line through both). Env KDT_MLA_QABS_TC_M=0: never.
+# (``absorb_tc_scratch``). Measured (H100, s42b, `scripts/bench_mla.py --kernels q_absorb --tc`, Moonlight, the
+# engine's launch with the latent write, FMA / tensor cores in us): 14.5 / 11.5 at 32 tokens, 26.2 / 17.0 at 65, 82.0 /
+# 34.3 at 256, 634.5 / 201.6 at 2048; at 16 (s42a) 9.0 / 10.1, the rope launch's ~5 us beside a 5 us GEMM. So from 32.
+# H200, one process (s42c, `scripts/profile_graphs.py --absorb-tc-ab`): the budget-64 oracle step -289 us (-1.7%).
+# Env KDT_MLA_QABS_TC_M=0: never.
 QABS_TC_MIN_M = int(os.environ.get("KDT_MLA_QABS_TC_M", "32"))
 
 

@@ -36,6 +36,8 @@ issue the same number of mma (the warp tile below keeps its trip counts uniform)
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
@@ -347,6 +349,13 @@ else:
         "mov.b32 kf0, kt0;\n\tmov.b32 kf1, kt1;\n\tsub.f32 kf0, kx0, kf0;\n\tsub.f32 kf1, kx1, kf1;\n\t"
         "cvt.rn.bf16x2.f32 $1, kf1, kf0;\n\t}", "=r,=r,f,f", (_U32T, _U32T), (_F32T, _F32T))
 
+    # global loads at a raw address (warp_mm's PTR steps: a lane's row address advanced a step, ptxas folds the
+    # constant offsets of a step's groups into the instruction); volatile, so that none moves across a flag wait
+    ld_u64 = _asm_intrinsic("ld.global.u64 $0, [$1];", "=l,l", (_U64T,), (_U64T,), side_effect=True)
+    ld_cs_u64 = _asm_intrinsic("ld.global.cs.u64 $0, [$1];", "=l,l", (_U64T,), (_U64T,), side_effect=True)
+    ld_v2_u64 = _asm_intrinsic("ld.global.v2.u64 {$0, $1}, [$2];", "=l,=l,l", (_U64T, _U64T), (_U64T,),
+                               side_effect=True)
+
 
 @cuda.jit(device=True, inline=True)
 def split_bf16x2(x0, x1):
@@ -367,6 +376,13 @@ def _device(fn):
 _CACHE: dict = {}
 # unsigned constants: Numba types a signed and an unsigned 64-bit integer together as float64
 _U0, _U1, _U2, _U3, _U4, _U32 = uint64(0), uint64(1), uint64(2), uint64(3), uint64(4), uint64(32)
+_U8, _U16 = uint64(8), uint64(16)
+
+
+# Env KDT_TC_PTR=1: warp_mm's full steps with x hi / lo load through raw addresses (``PTR`` below; session 42, built,
+# off until timed): the unstaged step of kernel B at 65 tokens spent ~30 of its ~90 SASS instructions a step of 8 mma on
+# 64-bit offsets recomputed from (e, row, word) every group.
+TC_PTR = os.environ.get("KDT_TC_PTR", "0") == "1"
 
 
 def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
@@ -380,17 +396,44 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
     W: uint64 [E, N, Kw] (4 bf16 a word); X in layout ``xl`` (module docstring: float32 natural [rows, 4 Kw] or
     word-permuted, or uint64 hi / lo [rows, 2 Kw]). u groups' weight words (and, hi / lo, their x words) are loaded
     before their first use (``cs``: the weights with the streaming hint). Every lane of the warp issues the same
-    mma sequence: the last partial step is masked (loads skipped, zeros), not shortened."""
-    key = (rt, nt, u, xl, cs)
+    mma sequence: the last partial step is masked (loads skipped, zeros), not shortened. ``PTR`` (``TC_PTR``, x hi /
+    lo, on the GPU): the full steps load at this lane's row addresses, computed once and advanced a step (a token's hi
+    and lo words in one 16-byte load); the same loads and mma as the indexed steps, so the same sums."""
+    key = (rt, nt, u, xl, cs, TC_PTR)
     if key in _CACHE:
         return _CACHE[key]
     RT, NT, XL, CS = rt, nt, xl, cs
     HILO = xl == XL_HILO
+    PTR = TC_PTR and HILO and not IS_SIM
     NB, NWB = 2 * rt, 2 * rt * u  # weight words a lane loads a group, a step
     NXB = 2 * nt * u if HILO else 1  # hi / lo x words a lane loads a step
 
+    def mma_hilo_fn(uu: int):
+        UU = uu
+
+        def mma_hilo(acc, wbuf, xbuf, frag, warp, lane):
+            """The mma of a step's uu groups from their loaded weight and hi / lo x words."""
+            for q in range(UU):
+                for j in range(NT):
+                    xh, xo = xbuf[(q * NT + j) * 2], xbuf[(q * NT + j) * 2 + 1]
+                    bh0, bh1 = uint32(xh & uint64(0xFFFFFFFF)), uint32(xh >> uint64(32))
+                    bl0, bl1 = uint32(xo & uint64(0xFFFFFFFF)), uint32(xo >> uint64(32))
+                    for r in range(RT):
+                        wg = wbuf[q * NB + 2 * r]
+                        wg8 = wbuf[q * NB + 2 * r + 1]
+                        a0, a2 = uint32(wg & uint64(0xFFFFFFFF)), uint32(wg >> uint64(32))
+                        a1, a3 = uint32(wg8 & uint64(0xFFFFFFFF)), uint32(wg8 >> uint64(32))
+                        k = (r * NT + j) * 4
+                        d0, d1, d2, d3 = mma_bf16(a0, a1, a2, a3, bl0, bl1, acc[k], acc[k + 1], acc[k + 2],
+                                                  acc[k + 3], frag, warp, lane)
+                        acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_bf16(a0, a1, a2, a3, bh0, bh1, d0, d1,
+                                                                              d2, d3, frag, warp, lane)
+
+        return _device(mma_hilo)
+
     def step_fn(uu: int, checked: bool):
         UU, CHECKED = uu, checked
+        mma_hilo = mma_hilo_fn(uu) if HILO else None
 
         def step(W, e, rows, X, xrows, kb, Kw, acc, wbuf, xbuf, frag, warp, lane):
             t = uint64(lane % 4)
@@ -411,25 +454,22 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
                             xbuf[xi + 1] = X[xrows[j], _U2 * w + _U1]
                         else:
                             xbuf[xi] = xbuf[xi + 1] = uint64(0)
+                mma_hilo(acc, wbuf, xbuf, frag, warp, lane)
+                return
             for q in range(UU):
                 w = kb + uint64(4 * q) + t
                 ok = not CHECKED or w < Kw
                 for j in range(NT):
-                    if HILO:
-                        xh, xo = xbuf[(q * NT + j) * 2], xbuf[(q * NT + j) * 2 + 1]
-                        bh0, bh1 = uint32(xh & uint64(0xFFFFFFFF)), uint32(xh >> uint64(32))
-                        bl0, bl1 = uint32(xo & uint64(0xFFFFFFFF)), uint32(xo >> uint64(32))
-                    else:
-                        xr = xrows[j]
-                        x0 = x1 = x2 = x3 = float32(0.0)
-                        if ok:
-                            if XL == XL_PERM:
-                                x0, x1, x2, x3 = X[xr, w], X[xr, Kw + w], X[xr, _U2 * Kw + w], X[xr, _U3 * Kw + w]
-                            else:
-                                c = _U4 * w
-                                x0, x1, x2, x3 = X[xr, c], X[xr, c + _U1], X[xr, c + _U2], X[xr, c + _U3]
-                        bh0, bl0 = split_bf16x2(x0, x1)
-                        bh1, bl1 = split_bf16x2(x2, x3)
+                    xr = xrows[j]
+                    x0 = x1 = x2 = x3 = float32(0.0)
+                    if ok:
+                        if XL == XL_PERM:
+                            x0, x1, x2, x3 = X[xr, w], X[xr, Kw + w], X[xr, _U2 * Kw + w], X[xr, _U3 * Kw + w]
+                        else:
+                            c = _U4 * w
+                            x0, x1, x2, x3 = X[xr, c], X[xr, c + _U1], X[xr, c + _U2], X[xr, c + _U3]
+                    bh0, bl0 = split_bf16x2(x0, x1)
+                    bh1, bl1 = split_bf16x2(x2, x3)
                     for r in range(RT):
                         wg = wbuf[q * NB + 2 * r]
                         wg8 = wbuf[q * NB + 2 * r + 1]
@@ -446,6 +486,26 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
     U = u
     full, one = step_fn(u, False), step_fn(1, True)
 
+    if PTR:
+        mma_full = mma_hilo_fn(u)
+        ldw = ld_cs_u64 if CS else ld_u64
+
+        def pstep(pw, px, acc, wbuf, xbuf, frag, warp, lane):
+            """A full step at the lane's addresses pw (its weight rows at word kb + t) and px (its x rows at word
+            kb + t, hi then lo)."""
+            for q in range(U):
+                for i in range(NB):
+                    wbuf[q * NB + i] = ldw(pw[i] + uint64(32 * q))  # (word kb + 4 q + t)
+            for q in range(U):
+                for j in range(NT):
+                    xi = (q * NT + j) * 2
+                    xbuf[xi], xbuf[xi + 1] = ld_v2_u64(px[j] + uint64(64 * q))
+            mma_full(acc, wbuf, xbuf, frag, warp, lane)
+
+        pstep = _device(pstep)
+    else:
+        pstep = None  # (never called: the branch below is pruned)
+
     def mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane, ring):  # (ring: warp_mm_staged's, unused)
         Kw = uint64(W.shape[2])
         ue = uint64(e)
@@ -459,9 +519,26 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
             ux[j] = uint64(xrows[j])
         kb = uint64(4 * g0)
         kend = uint64(4 * g1)
-        while kb + uint64(4 * U) <= kend and kb + uint64(4 * U) <= Kw:  # every word of the U groups in range
-            full(W, ue, ur, X, ux, kb, Kw, acc, wbuf, xbuf, frag, warp, lane)
-            kb += uint64(4 * U)
+        if PTR:  # byte addresses of this lane's word kb + t of its weight rows and of its x rows' hi / lo pairs
+            t = uint64(lane % 4)
+            pw = cuda.local.array(NB, uint64)
+            px = cuda.local.array(NT, uint64)
+            wb, xb = gmem_base(W), gmem_base(X)
+            for i in range(NB):
+                pw[i] = wb + _U8 * ((ue * uint64(W.shape[1]) + ur[i]) * Kw + kb + t)
+            for j in range(NT):
+                px[j] = xb + _U16 * (ux[j] * (uint64(X.shape[1]) >> _U1) + kb + t)
+            while kb + uint64(4 * U) <= kend and kb + uint64(4 * U) <= Kw:
+                pstep(pw, px, acc, wbuf, xbuf, frag, warp, lane)
+                for i in range(NB):
+                    pw[i] += uint64(32 * U)
+                for j in range(NT):
+                    px[j] += uint64(64 * U)
+                kb += uint64(4 * U)
+        else:
+            while kb + uint64(4 * U) <= kend and kb + uint64(4 * U) <= Kw:  # every word of the U groups in range
+                full(W, ue, ur, X, ux, kb, Kw, acc, wbuf, xbuf, frag, warp, lane)
+                kb += uint64(4 * U)
         while kb < kend:  # the rest, a group at a time, masked
             one(W, ue, ur, X, ux, kb, Kw, acc, wbuf, xbuf, frag, warp, lane)
             kb += uint64(4)
@@ -696,7 +773,7 @@ def block_mm(rt: int, nt: int, u: int, xl: int, cs: bool, nw: int, kw: int = 0, 
     (:func:`warp_mm_staged`, its rings in ``sm``: :func:`sm_shape`; the sums then as float32 bits,
     :func:`block_total_fn`)."""
     kw, KW, _ = row_groups(nw, kw)
-    key = ("block", rt, nt, u, xl, cs, nw, kw, st)
+    key = ("block", rt, nt, u, xl, cs, nw, kw, st, TC_PTR)
     if key in _CACHE:
         return _CACHE[key]
     NA = 4 * rt * nt
@@ -755,7 +832,7 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
     [M, H, K] flattened) and y columns [h N, (h + 1) N) of y [M, H N]; e and accumulate are not read (W [1, ...]).
     st >= 2: the loads staged through shared memory (:func:`warp_mm_staged`)."""
     kw, KW, NRG = row_groups(nw, kw)
-    key = ("gemm", rt, nt, u, nw, xl, kw, heads, st)
+    key = ("gemm", rt, nt, u, nw, xl, kw, heads, st, TC_PTR)
     if key in _CACHE:
         return _CACHE[key]
     RT, NT, NW, NA, NB, HEADS = rt, nt, nw, rt * nt * 4, 2 * rt, heads
@@ -819,6 +896,13 @@ def _register() -> None:
                   (2, 2, 1, 4, XL_HILO, 0, False, 3), (1, 2, 1, 4, XL_NATURAL, 0, False, 2)):  # (+ staged loads)
         x = u64[:, ::1] if shape[4] == XL_HILO else f32[:, ::1]
         register_ptx(gemm_kernel(*shape), (x, u64[:, :, ::1], i64, f32[:, ::1], boolean))
+    global TC_PTR
+    saved, TC_PTR = TC_PTR, not TC_PTR  # the warp tile's other step (KDT_TC_PTR), under its own cache keys
+    try:
+        register_ptx(gemm_kernel(2, 4, 2, 4, XL_HILO), (u64[:, ::1], u64[:, :, ::1], i64, f32[:, ::1], boolean),
+                     name=f"tc_gemm_rt2_nt4_u2_nw4_hilo[ptr={int(TC_PTR)}]")
+    finally:
+        TC_PTR = saved
 
 
 _register()
