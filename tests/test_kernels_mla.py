@@ -304,7 +304,7 @@ def test_q_absorb(rng, M, wdtype, version):
 
 
 def absorb_tc_cfg(monkeypatch):
-    """model shape for the absorb on tensor cores in the simulator (from one token, any W_uk size): 3 heads, dn = 24
+    """The model shape for the absorb on tensor cores in the simulator (from one token, any W_uk size): 3 heads, dn = 24
     (6 weight words: the second group of 4 half past K), Rkv = 24 (the block's 32 latent columns: its second row tile
     half past them)."""
     monkeypatch.setattr(mla, "QABS_TC_MIN_M", 1)
@@ -394,8 +394,8 @@ def test_latent_write_and_absorb_fused(rng, M, wdtype):
 
 @pytest.mark.kernels
 def test_latent_write_and_absorb_fused_tc(rng, monkeypatch):
-    """The engine's launch with the absorb on tensor cores: 5 tokens of 3 heads (5 latent-write slices of grid x =
-    1 and 3 heads, one z-slice more than the absorb's)."""
+    """The engine's launch with the absorb on tensor cores: 5 tokens of 3 heads (the rope's grid x = 1, so the latent
+    write takes cdiv(5, 1 x 3) = 2 z-slices where the FMA launch's grid x of 6 takes one)."""
     check_latent_write_and_absorb(rng, absorb_tc_cfg(monkeypatch), 5, "bf16", tc_abs=True)
 
 
