@@ -523,11 +523,11 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
             t = uint64(lane % 4)
             pw = cuda.local.array(NB, uint64)
             px = cuda.local.array(NT, uint64)
-            wb, xb = gmem_base(W), gmem_base(X)
+            wb, xb = gmem_base(W) + ue * uint64(W.strides[0]), gmem_base(X)  # (strides in bytes; words contiguous)
             for i in range(NB):
-                pw[i] = wb + _U8 * ((ue * uint64(W.shape[1]) + ur[i]) * Kw + kb + t)
+                pw[i] = wb + ur[i] * uint64(W.strides[1]) + _U8 * (kb + t)
             for j in range(NT):
-                px[j] = xb + _U16 * (ux[j] * (uint64(X.shape[1]) >> _U1) + kb + t)
+                px[j] = xb + ux[j] * uint64(X.strides[0]) + _U16 * (kb + t)
             while kb + uint64(4 * U) <= kend and kb + uint64(4 * U) <= Kw:
                 pstep(pw, px, acc, wbuf, xbuf, frag, warp, lane)
                 for i in range(NB):
