@@ -1616,7 +1616,7 @@ s42e)  # session 42, issue 7: the warp tile's full steps at raw row addresses (K
     grep -h "v2 " "$OUT/moe_ptr$p.log" | cut -c1-160
   done
   KDT_TC_PTR=1 tparts 200 tc tests/test_kernels_tc.py -k "tc_gemm_gpu"
-  KDT_TC_PTR=1 tparts 200 moe tests/test_kernels_moe.py -k "moonlight[64-bf16-2] or moonlight[256-bf16-2]"
+  KDT_TC_PTR=1 tparts 200 moe tests/test_kernels_moe.py -k "test_moe_forward_moonlight and (64-bf16-2 or 256-bf16-2)"
   wait
   for n in tc moe; do echo "pytest $n:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_$n.log" | cut -c1-300; done ;;
 *) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e"; exit 2 ;;
