@@ -379,6 +379,30 @@ _U0, _U1, _U2, _U3, _U4, _U32 = uint64(0), uint64(1), uint64(2), uint64(3), uint
 _U8, _U16 = uint64(8), uint64(16)
 
 
+def tile_mma(rt: int, nt: int):
+    """Device function ``tmma(acc, wf, w0, j, bh0, bh1, bl0, bl1, frag, warp, lane)``: token tile j's mma with each of
+    the rt row tiles of a group (:func:`warp_mm`'s accumulators, nt token tiles): row tile r's weight words wf[w0 + 2 r]
+    (rows g) and wf[w0 + 2 r + 1] (rows g + 8) as A, then x's lo (bl0, bl1) and hi (bh0, bh1) fragments as B."""
+    key = ("tile_mma", rt, nt)
+    if key in _CACHE:
+        return _CACHE[key]
+    RT, NT = rt, nt
+
+    def tmma(acc, wf, w0, j, bh0, bh1, bl0, bl1, frag, warp, lane):
+        for r in range(RT):
+            wg, wg8 = wf[w0 + 2 * r], wf[w0 + 2 * r + 1]
+            a0, a2 = uint32(wg & uint64(0xFFFFFFFF)), uint32(wg >> uint64(32))
+            a1, a3 = uint32(wg8 & uint64(0xFFFFFFFF)), uint32(wg8 >> uint64(32))
+            k = (r * NT + j) * 4
+            d0, d1, d2, d3 = mma_bf16(a0, a1, a2, a3, bl0, bl1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3], frag,
+                                      warp, lane)
+            acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_bf16(a0, a1, a2, a3, bh0, bh1, d0, d1, d2, d3, frag,
+                                                                  warp, lane)
+
+    _CACHE[key] = tmma = _device(tmma)
+    return tmma
+
+
 # Env KDT_TC_PTR=1: warp_mm's full steps with x hi / lo load through raw addresses (``PTR`` below; session 42, built,
 # off until timed): the unstaged step of kernel B at 65 tokens spent ~30 of its ~90 SASS instructions a step of 8 mma on
 # 64-bit offsets recomputed from (e, row, word) every group.
@@ -402,11 +426,12 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
     key = (rt, nt, u, xl, cs, TC_PTR)
     if key in _CACHE:
         return _CACHE[key]
-    RT, NT, XL, CS = rt, nt, xl, cs
+    NT, XL, CS = nt, xl, cs
     HILO = xl == XL_HILO
     PTR = TC_PTR and HILO and not IS_SIM
     NB, NWB = 2 * rt, 2 * rt * u  # weight words a lane loads a group, a step
     NXB = 2 * nt * u if HILO else 1  # hi / lo x words a lane loads a step
+    tmma = tile_mma(rt, nt)
 
     def mma_hilo_fn(uu: int):
         UU = uu
@@ -418,16 +443,7 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
                     xh, xo = xbuf[(q * NT + j) * 2], xbuf[(q * NT + j) * 2 + 1]
                     bh0, bh1 = uint32(xh & uint64(0xFFFFFFFF)), uint32(xh >> uint64(32))
                     bl0, bl1 = uint32(xo & uint64(0xFFFFFFFF)), uint32(xo >> uint64(32))
-                    for r in range(RT):
-                        wg = wbuf[q * NB + 2 * r]
-                        wg8 = wbuf[q * NB + 2 * r + 1]
-                        a0, a2 = uint32(wg & uint64(0xFFFFFFFF)), uint32(wg >> uint64(32))
-                        a1, a3 = uint32(wg8 & uint64(0xFFFFFFFF)), uint32(wg8 >> uint64(32))
-                        k = (r * NT + j) * 4
-                        d0, d1, d2, d3 = mma_bf16(a0, a1, a2, a3, bl0, bl1, acc[k], acc[k + 1], acc[k + 2],
-                                                  acc[k + 3], frag, warp, lane)
-                        acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_bf16(a0, a1, a2, a3, bh0, bh1, d0, d1,
-                                                                              d2, d3, frag, warp, lane)
+                    tmma(acc, wbuf, q * NB, j, bh0, bh1, bl0, bl1, frag, warp, lane)
 
         return _device(mma_hilo)
 
@@ -470,16 +486,7 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
                             x0, x1, x2, x3 = X[xr, c], X[xr, c + _U1], X[xr, c + _U2], X[xr, c + _U3]
                     bh0, bl0 = split_bf16x2(x0, x1)
                     bh1, bl1 = split_bf16x2(x2, x3)
-                    for r in range(RT):
-                        wg = wbuf[q * NB + 2 * r]
-                        wg8 = wbuf[q * NB + 2 * r + 1]
-                        a0, a2 = uint32(wg & uint64(0xFFFFFFFF)), uint32(wg >> uint64(32))
-                        a1, a3 = uint32(wg8 & uint64(0xFFFFFFFF)), uint32(wg8 >> uint64(32))
-                        k = (r * NT + j) * 4
-                        d0, d1, d2, d3 = mma_bf16(a0, a1, a2, a3, bl0, bl1, acc[k], acc[k + 1], acc[k + 2],
-                                                  acc[k + 3], frag, warp, lane)
-                        acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_bf16(a0, a1, a2, a3, bh0, bh1, d0, d1,
-                                                                              d2, d3, frag, warp, lane)
+                    tmma(acc, wbuf, q * NB, j, bh0, bh1, bl0, bl1, frag, warp, lane)
 
         return _device(step)
 
@@ -590,6 +597,7 @@ def warp_mm_staged(rt: int, nt: int, u: int, xl: int, st: int):
     NWF = 2 * rt
     XC = 2 if HILO else 4  # X columns a word of K (a hi / lo uint64 pair; 4 float32)
     wait = cp_async_wait(st - 2)  # the oldest stage in flight has landed
+    tmma = tile_mma(rt, nt)
 
     def issue(ring, W, X, wro, xro, dw, dx, kb, kend, t):
         """Stage at ring offsets dw (this lane's weight words) / dx (its x words), K words from kb."""
@@ -622,15 +630,7 @@ def warp_mm_staged(rt: int, nt: int, u: int, xl: int, st: int):
                 else:
                     bh0, bl0 = split_bf16x2(f32_from_bits(x0 & uint64(0xFFFFFFFF)), f32_from_bits(x0 >> uint64(32)))
                     bh1, bl1 = split_bf16x2(f32_from_bits(x1 & uint64(0xFFFFFFFF)), f32_from_bits(x1 >> uint64(32)))
-                for r in range(RT):
-                    wg, wg8 = wfr[2 * r], wfr[2 * r + 1]
-                    a0, a2 = uint32(wg & uint64(0xFFFFFFFF)), uint32(wg >> uint64(32))
-                    a1, a3 = uint32(wg8 & uint64(0xFFFFFFFF)), uint32(wg8 >> uint64(32))
-                    k = (r * NT + j) * 4
-                    d0, d1, d2, d3 = mma_bf16(a0, a1, a2, a3, bl0, bl1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3],
-                                              frag, warp, lane)
-                    acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_bf16(a0, a1, a2, a3, bh0, bh1, d0, d1, d2, d3,
-                                                                          frag, warp, lane)
+                tmma(acc, wfr, 0, j, bh0, bh1, bl0, bl1, frag, warp, lane)
 
     issue, compute = _device(issue), _device(compute)
 
