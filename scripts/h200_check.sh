@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1619,7 +1619,45 @@ s42e)  # session 42, issue 7: the warp tile's full steps at raw row addresses (K
   KDT_TC_PTR=1 tparts 200 moe tests/test_kernels_moe.py -k "test_moe_forward_moonlight and (64-bf16-2 or 256-bf16-2)"
   wait
   for n in tc moe; do echo "pytest $n:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_$n.log" | cut -c1-300; done ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e"; exit 2 ;;
+s43a)  # session 43, issue 7: the routed experts in fragment order (KDT_MOE_TC_FO, built, off) and the warp tile at raw
+  # addresses (KDT_TC_PTR, s42e's): the Moonlight MoE layer at 65 / 256 tokens with neither / PTR / FO / both
+  # (scripts/bench_moe.py, a process each; MOE_TIMEOUT s each, 140), then at 1 / 4 / 8 / 16 tokens
+  for v in "0 0" "1 0" "0 1" "1 1"; do
+    set -- $v
+    KDT_TC_PTR=$1 KDT_MOE_TC_FO=$2 step moe_p$1_fo$2 ${MOE_TIMEOUT:-140} python3 scripts/bench_moe.py \
+      --presets moonlight-16b-a3b --M 65,256 --only v2 --json "$OUT/moe-$day-moonlight-ptr$1-fo$2-s43a.json"
+    grep -h "v2 " "$OUT/moe_p$1_fo$2.log" | cut -c1-160
+  done
+  # ... and the small M on tensor cores with the experts in fragment order (the FMA tiles' M, whatever the load) against
+  # the default's FMA tiles (kernel AB at one token)
+  for v in "16 1.5 0 1" "1 0 1 0"; do
+    set -- $v
+    KDT_MOE_TC_M=$1 KDT_MOE_TC_LOAD=$2 KDT_MOE_TC_FO=$3 KDT_MOE_AB_M=$4 step moe_small_fo$3 ${MOE_TIMEOUT:-140} python3 \
+      scripts/bench_moe.py --presets moonlight-16b-a3b --M 1,4,8,16 --only v2 \
+      --json "$OUT/moe-$day-moonlight-small-fo$3-s43a.json"
+    grep -h "v2 " "$OUT/moe_small_fo$3.log" | cut -c1-160
+  done ;;
+s43b)  # session 43, issue 7: the gpu tests of s43a's switches (the warp tile's GEMMs, the Moonlight MoE layer in bf16;
+  # FO alone, FO with PTR, PTR alone; FO at 1 and 16 tokens on tensor cores), then the budget-64 oracle step's programs in their graphs with the routed experts
+  # in fragment order against the natural order (scripts/profile_graphs.py --moe-fo-ab, one process, both orders kept;
+  # KDT_TC_PTR as the caller sets it)
+  fo_tests="fragment_order_gpu or (test_moe_forward_moonlight and (64-bf16-2 or 256-bf16-2))"
+  KDT_MOE_TC_FO=1 KDT_TC_PTR=0 tparts 240 fo tests/test_kernels_tc.py tests/test_kernels_moe.py -k "$fo_tests"
+  KDT_MOE_TC_FO=1 KDT_TC_PTR=1 tparts 240 fo_ptr tests/test_kernels_tc.py tests/test_kernels_moe.py -k "$fo_tests"
+  KDT_TC_PTR=1 tparts 240 ptr tests/test_kernels_tc.py -k "tc_gemm_gpu"
+  KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0 KDT_MOE_TC_FO=1 KDT_MOE_AB_M=0 tparts 240 fo_small tests/test_kernels_moe.py \
+    -k "test_moe_forward_moonlight and (1-bf16-2 or 16-bf16-2)"
+  wait
+  for n in fo fo_ptr ptr fo_small; do echo "pytest $n:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_$n.log" | cut -c1-300
+  done
+  step graphs_fo ${GRAPHS_TIMEOUT:-200} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --drafter oracle \
+    --budget 64 --launches none --moe-fo-ab --json "$OUT/profile-graphs-$day-moonlight-fo-ab-s43b.json"
+  grep -h -A8 "^== whole" "$OUT/graphs_fo.log" | cut -c1-120 ;;
+s43c)  # session 43, issue 7: the 2048- and 256-token prefills by kernel with the routed experts in fragment order
+  # (KDT_MOE_TC_FO=1; KDT_TC_PTR as the caller sets it; s41a's table is the natural order's)
+  KDT_MOE_TC_FO=1 step prefill_fo ${PREFILL_TIMEOUT:-300} python3 scripts/profile_kernels.py --prefill 2048,256 --top 9
+  grep -h -A12 "^== " "$OUT/prefill_fo.log" | cut -c1-120 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

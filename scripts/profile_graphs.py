@@ -18,6 +18,8 @@ to the next node; eager profiles (scripts/profile_kernels.py) see neither. This 
 kdt.kernels.common's PDL section). ``--combine-in-ab``: also with the one-token attention's combine in its launch
 switched (kdt.kernels.mla.COMBINE_IN_MAX_M: on if the environment left it off, else off). ``--absorb-tc-ab``: also
 with q_absorb's absorb on its FMA kernel where it runs on tensor cores (kdt.kernels.mla.QABS_TC_MIN_M = 0).
+``--moe-fo-ab``: every MoE layer keeps its experts' fragment-ordered copy (kdt.kernels.moe.MoEWeights.fragment_order),
+and each whole program is also timed with the routed GEMMs on tensor cores reading it (kdt.kernels.moe.TC_FO switched).
 
 Replays would change the state: each step commits tokens, so L would grow by thousands over the replays and
 the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
@@ -49,7 +51,7 @@ from kdt.engine import load_target  # noqa: E402
 from kdt.engine.cuda_model import ForwardGraphs  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
 from kdt.kernels import ddtree as kd  # noqa: E402
-from kdt.kernels import mla  # noqa: E402
+from kdt.kernels import mla, moe  # noqa: E402
 from kdt.kernels.common import pdl_launches, set_pdl_launch  # noqa: E402
 from kdt.reference.decode import generate  # noqa: E402
 
@@ -180,6 +182,9 @@ def main() -> int:
     ap.add_argument("--absorb-tc-ab", action="store_true",
                     help="also time each whole program with q_absorb's absorb on FMA tiles where it runs on tensor "
                     "cores (kdt.kernels.mla.QABS_TC_MIN_M = 0)")
+    ap.add_argument("--moe-fo-ab", action="store_true",
+                    help="also time each whole program with the MoE's routed GEMMs on the experts in fragment order "
+                    "(kdt.kernels.moe.TC_FO switched; each layer keeps both orders)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -192,6 +197,9 @@ def main() -> int:
     learned = fx is not None and fx.drafter is not None and args.drafter != "oracle"
     B = fx.drafter.config.block_size if learned else args.block_size
     target = load_target(cfg, weights, "cuda", args.dtype, max_len=4096, max_tokens=256)
+    if args.moe_fo_ab:  # (before the warm-up below captures the programs)
+        kept = [lw.moe.fragment_order() for lw in target.layers if lw.moe is not None]
+        print(f"fragment-ordered experts kept in {sum(kept)} of {len(kept)} MoE layers")
     with open(__file__, "rb") as f:
         prompt = [b % cfg.vocab_size for b in f.read(args.prompt_len)]
     if learned:
@@ -245,6 +253,10 @@ def main() -> int:
         qa = mla.QABS_TC_MIN_M
         switches.append(("programs_us_absorb_fma", "abs FMA",
                          lambda on: setattr(mla, "QABS_TC_MIN_M", 0 if on else qa)))
+    if args.moe_fo_ab:
+        fo = moe.TC_FO
+        switches.append((f"programs_us_moe_fo_{int(not fo)}", f"fo {int(not fo)}",
+                         lambda on: setattr(moe, "TC_FO", (not fo) if on else fo)))
     if switches:
         print(f"  {'':34s} {('PDL' if pdl else 'no PDL') + f', ci {int(bool(ci))}':>12s} "
               + " ".join(f"{label:>8s}" for _, label, _ in switches))

@@ -614,6 +614,21 @@ def test_moe_forward_v2(rng, overrides, dtype, M, accumulate, skew, tiles):
         np.testing.assert_array_equal(again, got)
 
 
+def _same_bits_switched(cfg, w, b, M, layer, tiles, switch: str, tag: str):
+    """Kernels B and C of ``tiles`` (bf16, tensor cores) take the switch (``tag`` in their names), the layer with the
+    V2Tiles field ``switch`` on gives the bits of it off, and is within BF16_BOUND of float64; returns the scratch."""
+    scratch = moe.MoEScratch.allocate(cfg, M)
+    names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, tiles)]
+    assert tag in names[1] and tag in names[2], names
+    outs = []
+    for t in (tiles, replace(tiles, **{switch: False})):
+        got, scratch = _run_forward(cfg, w, b, BF16, M_max=M, accumulate=False, tiles=t, layer=layer, version=2)
+        outs.append(got)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert rel_err(outs[0], MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))) < BF16_BOUND
+    return scratch
+
+
 @pytest.mark.kernels
 @pytest.mark.parametrize("M,k,tiles", [(11, 3, "tc2_fit"), (41, 2, "tc4_split_fit")])
 def test_moe_forward_fit_same_bits(rng, M, k, tiles):
@@ -627,18 +642,34 @@ def test_moe_forward_fit_same_bits(rng, M, k, tiles):
     w[PREFIX + "gate.e_score_correction_bias"][0] += 3.0
     b = _draw_b(rng, cfg, w, M)
     layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
-    fit = V2_SIM_TILES[tiles]
-    scratch = moe.MoEScratch.allocate(cfg, M)
-    names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, fit)]
-    assert "_fit" in names[1] and "_fit" in names[2], names
-    outs = []
-    for t in (fit, replace(fit, tc_fit=False)):
-        got, scratch = _run_forward(cfg, w, b, BF16, M_max=M, accumulate=False, tiles=t, layer=layer, version=2)
-        outs.append(got)
-    np.testing.assert_array_equal(outs[0], outs[1])
-    assert rel_err(outs[0], MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))) < BF16_BOUND
+    scratch = _same_bits_switched(cfg, w, b, M, layer, V2_SIM_TILES[tiles], "tc_fit", "_fit")
     counts = scratch.counts.copy_to_host()
     assert counts[0] == M and 0 < counts[counts > 0].min() <= 8, counts
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,D,I,tiles", [(17, 32, 16, "tc_hilo"), (11, 48, 16, "tc2_kw1_hilo"),
+                                         (41, 32, 32, "tc4_split_fit")])
+def test_moe_forward_fragment_order_same_bits(rng, M, D, I, tiles):
+    """tc_fo: kernels B's routed gate_up and C's routed down read the layer's fragment-ordered copy of the experts
+    (kdt.kernels.tc.to_fo) and give the bits of the natural order, and the layer against float64. Every token takes
+    expert 0 (its bias): passes of every size run. tc2_kw1_hilo: kernel B's second row group of 16 outputs wholly past
+    I = 16, kernel C's third past D = 48 (their clamped rows read a real tile). I = 12: no copy, the launches drop
+    tc_fo."""
+    cfg = _cfg(**dict(_V2_SKEW, hidden_size=D, moe_intermediate_size=I, num_experts_per_tok=2))
+    w = _layer_weights(rng, cfg)
+    w[PREFIX + "gate.e_score_correction_bias"][0] += 3.0
+    b = _draw_b(rng, cfg, w, M)
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
+    assert layer.fragment_order()
+    fo = replace(V2_SIM_TILES[tiles], tc_fo=True, tc_hilo=True)
+    scratch = _same_bits_switched(cfg, w, b, M, layer, fo, "tc_fo", "_fo")
+    assert scratch.counts.copy_to_host()[0] == M
+    small = _cfg(**dict(_V2_SKEW, hidden_size=D, moe_intermediate_size=12))
+    layer = moe.MoEWeights.from_hf(small, _layer_weights(rng, small), PREFIX, BF16)
+    assert not layer.fragment_order()
+    launches = moe.v2_launches(None, layer, moe.MoEScratch.allocate(small, M), None, M, False, fo)
+    assert not any(ln.kernel.py_func.__name__.endswith("_fo") for ln in launches)
 
 
 @pytest.mark.kernels

@@ -2,7 +2,8 @@
 
 The warp tile alone, through :func:`tc.gemm_kernel` (y = X W^T): natural, word-permuted and hi / lo X, 1-2 row tiles,
 1-2 token tiles, several warps splitting K with the last groups partly or wholly past it, warps in row groups
-(kw), the loads staged through shared memory (st), ragged M and N. Bound:
+(kw), the loads staged through shared memory (st), the weights in fragment order (fo: the same sums, bit for bit),
+ragged M and N. Bound:
 rel_err < 1e-5 against float64 on the bf16-rounded weights. A kernel that dropped the lo half of x (bf16 x) would
 be at ~1e-3, one that misplaced a fragment or a k group at ~1 (the split's own check below).
 """
@@ -27,8 +28,9 @@ def k_bound(K: int) -> float:
     return max(BOUND, K * 2.0**-28)
 
 
-def _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=1, e=0, accumulate=False, kw=0, st=0):
-    """Run the tile on fresh inputs (y poisoned); returns (rel_err, rel_err with bf16 x)."""
+def _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=1, e=0, accumulate=False, kw=0, st=0, fo=False, out=None):
+    """Run the tile on fresh inputs (y poisoned); returns (rel_err, rel_err with bf16 x). ``fo``: the weights in
+    fragment order (``tc.to_fo``); ``out``: a list that gets y."""
     W = (rng.standard_normal((E, N, K)) / np.sqrt(K)).astype(np.float32)
     bits = f32_to_bf16_bits(W)
     Wseen = bf16_bits_to_f32(bits[e]).astype(np.float64)
@@ -37,10 +39,13 @@ def _gemm(rng, M, N, K, rt, nt, u, nw, xl, E=1, e=0, accumulate=False, kw=0, st=
           tc.XL_HILO: tc.hilo_np(X)}[xl]
     y0 = rng.standard_normal((M, N)).astype(np.float32) if accumulate else poisoned((M, N))
     y = cuda.to_device(y0)
-    k = tc.gemm_kernel(rt, nt, u, nw, xl, kw, st=st)
+    k = tc.gemm_kernel(rt, nt, u, nw, xl, kw, st=st, fo=fo)
     grid = (-(-M // (8 * nt)), -(-N // (16 * rt * (nw // (kw or nw)))))
-    k[grid, nw * 32](cuda.to_device(Xd), cuda.to_device(bits.view(np.uint64)), e, y, accumulate)
+    Wd = cuda.to_device(bits.view(np.uint64))
+    k[grid, nw * 32](cuda.to_device(Xd), tc.to_fo(Wd) if fo else Wd, e, y, accumulate)
     got = y.copy_to_host()
+    if out is not None:
+        out.append(got)
     ref = X.astype(np.float64) @ Wseen.T + (y0 if accumulate else 0.0)
     x_bf16 = bf16_bits_to_f32(f32_to_bf16_bits(X)).astype(np.float64)
     return rel_err(got, ref), rel_err(x_bf16 @ Wseen.T, ref)
@@ -91,6 +96,62 @@ def test_tc_gemm(rng, M, N, K, rt, nt, u, nw, xl, kw, st):
 def test_tc_gemm_gpu(rng, M, N, K, rt, nt, u, nw, xl, kw, st):
     err, _ = _gemm(rng, M, N, K, rt, nt, u, nw, xl, accumulate=M == 33, kw=kw, st=st)
     assert err < BOUND, f"rel_err {err:.3g}"
+
+
+FO_SIM_CASES = [  # M, N, K, rt, nt, u, nw, kw: x hi / lo, N % 16 == 0, K % 16 == 0
+    (9, 32, 64, 2, 2, 2, 2, 0),  # 2 x 2 tiles, 2 warps splitting K, one full step each
+    (11, 48, 80, 1, 2, 3, 1, 0),  # one warp: a full step of 3 groups, then 2 masked ones; 3 blocks of rows
+    (9, 64, 48, 1, 2, 1, 4, 2),  # 2 row groups of 2 warps splitting K (the second warp's group past K)
+    (7, 32, 32, 1, 1, 2, 3, 1),  # 3 row groups of one warp, the third's tile wholly past N (its clamped rows)
+]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,N,K,rt,nt,u,nw,kw", FO_SIM_CASES)
+def test_tc_gemm_fragment_order(rng, M, N, K, rt, nt, u, nw, kw):
+    if not IS_SIM:
+        pytest.skip("simulator shapes (the GPU's are in test_tc_gemm_fragment_order_gpu)")
+    seed = int(rng.integers(1 << 30))
+    ys: list = []
+    err, _ = _gemm(np.random.default_rng(seed), M, N, K, rt, nt, u, nw, HILO, E=2, e=1, kw=kw, fo=True, out=ys)
+    assert err < BOUND, f"rel_err {err:.3g}"
+    _gemm(np.random.default_rng(seed), M, N, K, rt, nt, u, nw, HILO, E=2, e=1, kw=kw, out=ys)  # natural order
+    assert np.array_equal(ys[0], ys[1])  # the same fragments: the same sums
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,rt,nt,u,nw,kw", [
+    (64, 2816, 2048, 2, 4, 2, 4, 0),  # Moonlight's routed gate_up rows of one expert, 64 tokens
+    (6, 2048, 1408, 2, 1, 2, 4, 0),  # a routed down: ~6 tokens an expert
+    (40, 2048, 1408, 2, 2, 4, 4, 2),  # 2 row groups of 2 warps, 4 groups a step
+])
+def test_tc_gemm_fragment_order_gpu(rng, M, N, K, rt, nt, u, nw, kw):
+    seed = int(rng.integers(1 << 30))
+    ys: list = []
+    err, _ = _gemm(np.random.default_rng(seed), M, N, K, rt, nt, u, nw, HILO, kw=kw, fo=True, out=ys)
+    assert err < k_bound(K), f"rel_err {err:.3g}"
+    _gemm(np.random.default_rng(seed), M, N, K, rt, nt, u, nw, HILO, kw=kw, out=ys)
+    assert np.array_equal(ys[0], ys[1])
+
+
+@pytest.mark.kernels
+def test_fragment_order_layout(rng):
+    """``tc.fo_np`` puts lane (g, t)'s mma registers a0 .. a3 of a row tile's group (module docstring) at its 16
+    bytes, and ``tc.to_fo`` (the device kernel) writes the same array."""
+    E, N, Kw = 2, 32, 12
+    W = rng.integers(0, np.iinfo(np.uint64).max, size=(E, N, Kw), dtype=np.uint64)
+    F = tc.fo_np(W)
+    w32, f32 = W.view(np.uint32).reshape(E, N, Kw, 2), F.view(np.uint32).reshape(E, N // 16, Kw // 4, 32, 4)
+    for e, tile, grp, lane in [(0, 0, 0, 0), (1, 1, 2, 31), (0, 1, 1, 13), (1, 0, 2, 6)]:
+        g, t = divmod(lane, 4)
+        r, w = 16 * tile + g, 4 * grp + t
+        want = [w32[e, r, w, 0], w32[e, r + 8, w, 0], w32[e, r, w, 1], w32[e, r + 8, w, 1]]  # a0, a1, a2, a3
+        assert list(f32[e, tile, grp, lane]) == want
+    assert np.array_equal(tc.to_fo(cuda.to_device(W)).copy_to_host(), F)
+    assert np.array_equal(np.sort(F.view(np.uint32), axis=None), np.sort(W.view(np.uint32), axis=None))
+    with pytest.raises(ValueError, match="fragment order"):
+        tc.fo_np(W[:, :24])
 
 
 def _tiled(rng, M, N, K, plan, xl, accumulate):

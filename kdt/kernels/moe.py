@@ -1269,9 +1269,10 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
 # (``V2Tiles.tc_fit``, session 35's s35a) M = 16 takes 321.7 us on 2 tiles against the FMA tiles' 399.3: now from
 # TC_MIN_M = 16 tokens (env KDT_MOE_TC_M; 0: never) where the experts get TC_MIN_LOAD = 1.5 tokens each on average
 # (Moonlight: from 16, DeepSeek-V3's 256 experts of 8 from 48, Kimi-K2's 384 from 72; only Moonlight's measured),
-# with :func:`_tc_tiles` token tiles a pass.
+# with :func:`_tc_tiles` token tiles a pass. Env KDT_MOE_TC_LOAD sets TC_MIN_LOAD (session 43's s43a times the tensor
+# cores down to one token, with the experts in fragment order: KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0).
 TC_MIN_M = int(os.environ.get("KDT_MOE_TC_M", "16"))  # tensor cores at M >= this (0: never)
-TC_MIN_LOAD = 1.5  # ... and M top_k >= TC_MIN_LOAD E
+TC_MIN_LOAD = float(os.environ.get("KDT_MOE_TC_LOAD", "1.5"))  # ... and M top_k >= TC_MIN_LOAD E
 TC_ROWS = tc.MMA_ROWS
 # The tensor cores' GEMM inputs (b_perm, h, h_shared) written by their producers already split into bf16 hi and lo
 # (``V2Tiles.tc_hilo``, kdt.kernels.tc.XL_HILO; kernel A's shared gate_up still splits its float32 b): the warp tile
@@ -1300,6 +1301,14 @@ TC_FIT = os.environ.get("KDT_MOE_TC_FIT", "1") != "0"
 # --M 65,128,256 --sweep --only "v2,v2 tc_tiled"`, the Moonlight layer in us, default / tiled): 510.6 / 660.3 at 65
 # tokens, 679.9 / 907.8 at 128, 1056.5 / 1497.2 at 256.
 TILED_MIN_M = int(os.environ.get("KDT_MOE_TILED_M", "0"))
+# The routed experts' weights also kept in fragment order (kdt.kernels.tc's module docstring, ``V2Tiles.tc_fo``;
+# session 43): kernels B's routed gate_up and C's routed down load a lane's A fragment as one 16-byte load where the
+# natural order takes two 8-byte loads and ~6 register moves. sm_90 SASS of the warp tile's full step (rt 2, nt 4, u
+# 2, x hi / lo): 243 instructions for 32 mma, 196 at raw addresses (``tc.TC_PTR``), 67 in fragment order; kernels B
+# and C are bound by instructions a mma and L2 requests (session 30's Nsight Compute). It doubles the routed experts'
+# device bytes (both orders are kept: the FMA tiles below TC_MIN_M read the natural one). Env KDT_MOE_TC_FO=1; off
+# until timed.
+TC_FO = os.environ.get("KDT_MOE_TC_FO", "0") == "1"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1338,7 +1347,7 @@ def _tc_passes(pass_fn, nt: int, fit: bool, st: int):
 
 
 def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo: bool = False, kw: int = 0,
-                st: int = 0, ot: int = 1, fit: bool = False):
+                st: int = 0, ot: int = 1, fit: bool = False, fo: bool = False):
     """Device function ``gate_up(o0, W, e, X, start, end, rowsel, h)``: on tensor cores, for the tokens p in
     [start, end) (X row ``rowsel[p]`` with ``gather``, else p; X in layout ``xl``, kdt.kernels.tc), outputs [o0,
     o0 + 16 ot nw / kw) of I = W.shape[1] / 2: h[p, o] = silu(gate) * up, h word-permuted (``hilo``: h is the uint16
@@ -1346,10 +1355,10 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
     (ot output tiles a warp: its row tiles the ot gate tiles, then the ot matching up tiles, all on each x fragment
     it loads), the kw warps of a group splitting the input dimension (kw = 0: one group of nw); st >= 2: the loads
     staged through shared memory, st stages of one group (kdt.kernels.tc.warp_mm_staged); ``fit`` (not staged): a
-    pass of at most 8 (16) tokens takes 1 (2) token tiles, not nt (``V2Tiles.tc_fit``). Every thread of the block
-    calls it (barriers)."""
+    pass of at most 8 (16) tokens takes 1 (2) token tiles, not nt (``V2Tiles.tc_fit``); ``fo``: W in fragment order
+    (``V2Tiles.tc_fo``). Every thread of the block calls it (barriers)."""
     kw, KW, NRG = _row_groups(nw, kw)
-    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw, st, ot, fit)
+    key = ("gate_up tc", nw, nt, u, cs, gather, xl, hilo, kw, st, ot, fit, fo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, OT, GATHER, HILO = nw, nt, ot, gather, hilo
@@ -1361,7 +1370,7 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
 
     def pass_fn(ntp: int):  # one pass of ntp <= nt token tiles (acc, sm and xrows sized for nt)
         NTP, NP = ntp, ot * ntp * 4  # NP gate (up) accumulators a lane
-        bmm = tc.block_mm(2 * ot, ntp, us, xl, cs, nw, kw, st)
+        bmm = tc.block_mm(2 * ot, ntp, us, xl, cs, nw, kw, st, fo)
 
         def one_pass(p0, o0, W, e, X, end, rowsel, h, rows, xrows, acc, sm, frag, warp, lane, I, Kwh):
             g, t = lane // 4, lane % 4
@@ -1410,14 +1419,15 @@ def _tc_gate_up(nw: int, nt: int, u: int, cs: bool, gather: bool, xl: int, hilo:
     return gate_up
 
 
-def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, st: int = 0, fit: bool = False):
+def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, st: int = 0, fit: bool = False,
+             fo: bool = False):
     """Device function ``down(d0, W, e, X, start, end, y)``: on tensor cores, y[p, d] = sum_i W[e, d, i] X[p, i]
     for the rows d in [d0, d0 + 16 rt nw / kw) of D = W.shape[1] and the tokens p in [start, end) (X in layout
     ``xl``, kdt.kernels.tc), nt x 8 tokens a pass, the block's nw warps in nw / kw row groups of 16 rt rows, the kw
     warps of a group splitting I (kw = 0: one group of nw); st >= 2: the loads staged, ``fit`` a short pass on fewer
-    token tiles, as :func:`_tc_gate_up`. Every thread of the block calls it (barriers)."""
+    token tiles, W in fragment order (``fo``) as :func:`_tc_gate_up`. Every thread of the block calls it (barriers)."""
     kw, KW, NRG = _row_groups(nw, kw)
-    key = ("down tc", nw, rt, nt, u, cs, xl, kw, st, fit)
+    key = ("down tc", nw, rt, nt, u, cs, xl, kw, st, fit, fo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, RT, NT, NA, NB = nw, rt, nt, rt * nt * 4, 2 * rt
@@ -1427,7 +1437,7 @@ def _tc_down(nw: int, rt: int, nt: int, u: int, cs: bool, xl: int, kw: int = 0, 
 
     def pass_fn(ntp: int):  # one pass of ntp <= nt token tiles (acc, sm and xrows sized for nt)
         NTP, NAP = ntp, rt * ntp * 4
-        bmm = tc.block_mm(rt, ntp, us, xl, cs, nw, kw, st)
+        bmm = tc.block_mm(rt, ntp, us, xl, cs, nw, kw, st, fo)
 
         def one_pass(p0, d0, W, e, X, end, rowsel, y, rows, xrows, acc, sm, frag, warp, lane, D, kwh):
             g, t = lane // 4, lane % 4
@@ -1474,20 +1484,21 @@ def gate_up_rows(nw: int, kw: int, ot: int) -> int:
 
 
 def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool, split: bool = False,
-                     hilo: bool = False, kw: int = 0, st: int = 0, ot: int = 1, fit: bool = False):
+                     hilo: bool = False, kw: int = 0, st: int = 0, ot: int = 1, fit: bool = False, fo: bool = False):
     """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
     ntg, outputs [G x, G x + G) of I, x = rb % ntg, G = 16 ot nw / kw (``_tc_gate_up``'s row groups of ot output
     tiles; kw = 0: G = 16 ot); all the expert's tokens) and cdiv(D, 16 rt) shared-down blocks (rows [16 rt sb, 16 rt
     (sb + 1)) of D, all M tokens; with ``split`` cdiv(M, 8 nt) times as many blocks, one pass of 8 nt tokens each),
     after the routed ones or, with ``sd_first``, before them. ``hilo``: b_perm, h and h_shared in the hi / lo layout
     (b_perm and h_shared read as uint64, h written as uint16). st: the routed gate_up's loads staged
-    (``_tc_gate_up``); fit: short passes on fewer token tiles (the routed gate_up and the shared down)."""
-    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw, st, ot, fit)
+    (``_tc_gate_up``); fit: short passes on fewer token tiles (the routed gate_up and the shared down); fo: wgu in
+    fragment order (the routed gate_up)."""
+    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw, st, ot, fit, fo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     SDF, RS, SPLIT, PASS, G = sd_first, TC_ROWS * rt, split, 8 * nt, gate_up_rows(nw, kw, ot)
     xl = XL_HILO if hilo else XL_PERM
-    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw, st, ot, fit)
+    gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw, st, ot, fit, fo)
     down = _tc_down(nw, rt, nt, u, cs_s, xl, fit=fit)
 
     def body(bid, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg,
@@ -1511,14 +1522,17 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
 
 def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
                        sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False,
-                       hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_ot: int = 1, tc_fit: bool = False):
+                       hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_ot: int = 1, tc_fit: bool = False,
+                       tc_fo: bool = False):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit)
+    key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit,
+           tc_fo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if tc:
-        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit)
+        body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit,
+                                tc_fo)
     else:
         body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
@@ -1530,7 +1544,8 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
     kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
                      f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
                      f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
-                     f"{f'_st{tc_st}' if tc_st else ''}{f'_ot{tc_ot}' if tc_ot != 1 else ''}{'_fit' if tc_fit else ''}")
+                     f"{f'_st{tc_st}' if tc_st else ''}{f'_ot{tc_ot}' if tc_ot != 1 else ''}{'_fit' if tc_fit else ''}"
+                     f"{'_fo' if tc_fo else ''}")
     # 2 output tiles a warp: ptxas takes 130 registers (3 blocks an SM), at 128 (4 blocks) it spills 12 bytes
     k = cuda.jit(kern, max_registers=128) if tc and tc_ot > 1 and not IS_SIM else cuda.jit(kern)
     _V2_CACHE[key] = k
@@ -1663,7 +1678,7 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
 
 
 def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: int = 0, tc_rt: int = 2,
-                    hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_fit: bool = False):
+                    hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_fit: bool = False, tc_fo: bool = False):
     """Kernel C. Block b = x * n_chunks + c: rows [x*R, x*R + R) of D (R = nw * nr, nr per warp) for
     the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
     expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
@@ -1672,15 +1687,16 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
     the same value into tee[m, d] (tee[>= M, D] f32; untouched without has_tee). ``tc`` (bf16 weights): the
     routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt nw / tc_kw rows a
     block (its row groups; tc_kw = 0: 16 tc_rt); with ``hilo`` h is the uint64 view of the hi / lo layout; tc_st:
-    the routed down's loads staged, tc_fit: its short passes on fewer token tiles (:func:`_tc_down`)."""
+    the routed down's loads staged, tc_fit: its short passes on fewer token tiles, tc_fo: wdn in fragment order
+    (:func:`_tc_down`)."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st, tc_fit)
+    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st, tc_fit, tc_fo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     NW, NT, EPW, NR, TT, TC = nw, nw * WARP, epw, nr, tt, tc
     R = TC_ROWS * tc_rt * _row_groups(nw, tc_kw)[2] if tc else nw * nr
-    down_tc = (_tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw, tc_st, tc_fit)  # rows [x R, x R + R)
-               if tc else None)
+    down_tc = (_tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw, tc_st, tc_fit, tc_fo)
+               if tc else None)  # (rows [x R, x R + R))
     RED = (NW, NR * TT, WARP) if IS_SIM else (1, 1, 1)
     WB, NACC = u * NR, NR * TT
     mm = _v2_mm(EPW, NR, TT, u, True, 1, cs)
@@ -1756,7 +1772,7 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
 
     kern.__name__ = (f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}"
                      f"{f'_tc{tc}r{tc_rt}' if tc else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
-                     f"{f'_st{tc_st}' if tc_st else ''}{'_fit' if tc_fit else ''}")
+                     f"{f'_st{tc_st}' if tc_st else ''}{'_fit' if tc_fit else ''}{'_fo' if tc_fo else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1801,7 +1817,8 @@ class V2Tiles:
     expert) most passes' second tile is padding, its mma and x loads spent for nothing. The sums are the same bits (a
     token column's are its own). Not staged (tc_st). On with tc (``TC_FIT``: its comment has session 35's times).
     tiled: kernel B's routed gate_up on the block-tiled GEMM, a launch of its own before B's shared down (with
-    tc_hilo; ``TILED_MIN_M``).
+    tc_hilo; ``TILED_MIN_M``). tc_fo: the routed GEMMs on tensor cores (B's gate_up, C's down) read the layer's
+    fragment-ordered copy of the experts (``MoEWeights.fragment_order``, ``TC_FO``); with tc_hilo, not staged.
     """
 
     nw: int = 4
@@ -1830,6 +1847,7 @@ class V2Tiles:
     tc_ot: int = 1
     tc_fit: bool = False
     tiled: bool = False
+    tc_fo: bool = False
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -1867,7 +1885,7 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     if uses_tc(M, top_k, E, D) and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
         tiles = _tc_tiles(M)  # jc = 1: a block of kernel C is one expert's pass
         t = replace(t, tc=tiles, jc=1, tc_hilo=TC_HILO and (TC_FIT or tiles == 4), tc_split=TC_SPLIT, tc_fit=TC_FIT)
-        t = replace(t, tiled=t.tc_hilo and 0 < TILED_MIN_M <= M)
+        t = replace(t, tiled=t.tc_hilo and 0 < TILED_MIN_M <= M, tc_fo=TC_FO and t.tc_hilo)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
@@ -1935,10 +1953,11 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     tcn = t.tc if epw == 4 else 0
     split, hilo, kw, st = bool(tcn) and t.tc_split, t.hilo(epw), t.tc_kw if tcn else 0, t.tc_st if tcn else 0
     fit = bool(tcn) and t.tc_fit and not st  # (staged passes take all tc tiles)
+    fo = bool(tcn) and t.tc_fo and hilo and not st
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
-                               kw, st, t.tc_ot if tcn else 1, fit),
-            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, fit))
+                               kw, st, t.tc_ot if tcn else 1, fit, fo),
+            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, fit, fo))
 
 
 def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
@@ -1956,6 +1975,9 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         t = replace(t, tc_st=0)
     if t.tiled and (not t.hilo(L._epw) or D % tc_tiled.BK or t.ab):  # (its x tiles: hi / lo words of 32 elements)
         t = replace(t, tiled=False)
+    if t.tc_fo and (L._gu_fo is None or not t.hilo(L._epw) or t.tc_st):  # (the layer kept no fragment-ordered copy)
+        t = replace(t, tc_fo=False)
+    gu, dn = (L._gu_fo, L._dn_fo) if t.tc_fo else (L._gu, L._dn)
     ka, kb, kc = _v2_kernels(t, L._epw)
     J = min(E, M * k)
     has_shared = L._sgu is not None
@@ -1985,12 +2007,12 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
     ntg = cdiv(I, gate_up_rows(t.nw, t.tc_kw, t.tc_ot)) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
     jb = 0 if t.tiled else J  # kernel B's routed slots (tiled: none, launch G below takes the routed gate_up)
     bb = V2Launch("B shared_down" if t.tiled else "B gate_up+shared_down", kb, jb * ntg + nsd, t.nw * WARP,
-                  jb * ntg or nsd, (x_in("b_perm"), L._gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts,
+                  jb * ntg or nsd, (x_in("b_perm"), gu, x_out("h"), S.active, S.n_active, S.offsets, S.counts,
                                     S.sorted_rows, x_in(hs), sdn, S.y_shared, int(M), int(ntg), int(jb)))
     n_chunks = cdiv(J, t.jc)
     nc = cdiv(D, TC_ROWS * t.tc_rt * _row_groups(t.nw_c, t.tc_kw)[2] if t.tc else t.nw_c * t.nr_c) * n_chunks
     c = V2Launch("C down+combine", kc, nc, t.nw_c * WARP, nc, (
-        x_in("h"), L._dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
+        x_in("h"), dn, S.y, S.active, S.n_active, S.offsets, S.counts, S.pos_of, S.topk_w, S.y_shared, out,
         out if tee is None else tee,  # (never written without a tee)
         S.tickets, int(M), int(t.jc), int(n_chunks), bool(accumulate), bool(has_shared), tee is not None))
     if t.tiled:  # the routed gate_up on the tiled GEMM, then B's shared down alone (if any)
@@ -2312,6 +2334,16 @@ class MoEWeights:
         self._sgu = _words(_as3(self.shared_gate_up))[0] if self.shared_gate_up is not None else None
         self._sdn = _words(_as3(self.shared_down))[0] if self.shared_down is not None else None
         self._gate = _words(_as3(self.gate_w))[0]
+        self._gu_fo = self._dn_fo = None
+        if TC_FO:
+            self.fragment_order()
+
+    def fragment_order(self, stream=0) -> bool:
+        """Keep a fragment-ordered copy of the routed experts (kdt.kernels.tc, ``V2Tiles.tc_fo``) where they are bf16
+        and their shapes allow it (I and D multiples of 16); True if the layer has one."""
+        if self._gu_fo is None and self._epw == 4 and self.I % TC_ROWS == 0 and self.D % TC_ROWS == 0:
+            self._gu_fo, self._dn_fo = tc.to_fo(self._gu, stream), tc.to_fo(self._dn, stream)
+        return self._gu_fo is not None
 
     @property
     def E(self) -> int:
@@ -2527,6 +2559,7 @@ def _register() -> None:
               + [replace(v2_tiles(64, 8), tc_hilo=True, tc_st=st) for st in (2, 4)]  # staged loads (tc_st)
               + [replace(v2_tiles(64, 8), tc_ot=2), replace(v2_tiles(64, 8), tc_ot=2, tc_hilo=True, tc_st=3)]  # tc_ot
               + [replace(v2_tiles(M, 8), tc_fit=False) for M in (64, 256)]  # every pass on all tiles (session 34's)
+              + [replace(v2_tiles(M, 8), tc_fo=True) for M in (64, 256)]  # the experts in fragment order (tc_fo)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)

@@ -29,6 +29,14 @@ column i Kw + w, kdt.kernels.moe's FMA layout); ``XL_HILO`` x already split into
 bits 16 i), word 2 w + 1 their lo: the same bytes as float32, and the warp tile loads a token tile's two b
 fragments of a group as two words instead of four floats and ~50 integer instructions of splitting.
 
+Fragment order (``fo``; :func:`fo_np`, :func:`to_fo`): the same uint64 [E, N, Kw] array, N % 16 == 0 and
+Kw % 4 == 0, its 16 rows x 4 words of a row tile and group rearranged so that lane (g, t) finds its four A
+registers (a0, a1, a2, a3) = (lo, lo, hi, hi halves of word 4 grp + t of rows g, g + 8) as 16 contiguous bytes:
+word 2 lane (+ 1) of the group's 64, the tile's groups one after another over the bytes of its 16 rows. A warp
+then reads a group as one 16-byte load a lane, 512 contiguous bytes, where the natural order takes two 8-byte loads
+and ~6 register moves an A fragment (the mma wants a0 .. a3 in four consecutive registers; a natural word holds
+a0 and a2). The same fragments, so the same sums.
+
 Under the simulator the mma is emulated for the whole warp through shared memory (``frag``, int64
 [warps, 32, 6]; a (1, 1, 1) array, unused, on the GPU) and ``cuda.syncthreads``: every warp of a block must
 issue the same number of mma (the warp tile below keeps its trip counts uniform).
@@ -355,6 +363,11 @@ else:
     ld_cs_u64 = _asm_intrinsic("ld.global.cs.u64 $0, [$1];", "=l,l", (_U64T,), (_U64T,), side_effect=True)
     ld_v2_u64 = _asm_intrinsic("ld.global.v2.u64 {$0, $1}, [$2];", "=l,=l,l", (_U64T, _U64T), (_U64T,),
                                side_effect=True)
+    # a lane's A fragment of fragment-ordered weights (``fo``): four 32-bit registers from 16 bytes
+    ld_v4_u32 = _asm_intrinsic("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", (_U32T,) * 4, (_U64T,),
+                               side_effect=True)
+    ld_cs_v4_u32 = _asm_intrinsic("ld.global.cs.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", (_U32T,) * 4,
+                                  (_U64T,), side_effect=True)
 
 
 @cuda.jit(device=True, inline=True)
@@ -379,20 +392,24 @@ _U0, _U1, _U2, _U3, _U4, _U32 = uint64(0), uint64(1), uint64(2), uint64(3), uint
 _U8, _U16 = uint64(8), uint64(16)
 
 
-def tile_mma(rt: int, nt: int):
+def tile_mma(rt: int, nt: int, fo: bool = False):
     """Device function ``tmma(acc, wf, w0, j, bh0, bh1, bl0, bl1, frag, warp, lane)``: token tile j's mma with each of
     the rt row tiles of a group (:func:`warp_mm`'s accumulators, nt token tiles): row tile r's weight words wf[w0 + 2 r]
-    (rows g) and wf[w0 + 2 r + 1] (rows g + 8) as A, then x's lo (bl0, bl1) and hi (bh0, bh1) fragments as B."""
-    key = ("tile_mma", rt, nt)
+    (rows g) and wf[w0 + 2 r + 1] (rows g + 8) as A (``fo``: its registers a0 .. a3 = wf[w0 + 4 r + c], uint32), then
+    x's lo (bl0, bl1) and hi (bh0, bh1) fragments as B."""
+    key = ("tile_mma", rt, nt, fo)
     if key in _CACHE:
         return _CACHE[key]
-    RT, NT = rt, nt
+    RT, NT, FO = rt, nt, fo
 
     def tmma(acc, wf, w0, j, bh0, bh1, bl0, bl1, frag, warp, lane):
         for r in range(RT):
-            wg, wg8 = wf[w0 + 2 * r], wf[w0 + 2 * r + 1]
-            a0, a2 = uint32(wg & uint64(0xFFFFFFFF)), uint32(wg >> uint64(32))
-            a1, a3 = uint32(wg8 & uint64(0xFFFFFFFF)), uint32(wg8 >> uint64(32))
+            if FO:
+                a0, a1, a2, a3 = wf[w0 + 4 * r], wf[w0 + 4 * r + 1], wf[w0 + 4 * r + 2], wf[w0 + 4 * r + 3]
+            else:
+                wg, wg8 = wf[w0 + 2 * r], wf[w0 + 2 * r + 1]
+                a0, a2 = uint32(wg & uint64(0xFFFFFFFF)), uint32(wg >> uint64(32))
+                a1, a3 = uint32(wg8 & uint64(0xFFFFFFFF)), uint32(wg8 >> uint64(32))
             k = (r * NT + j) * 4
             d0, d1, d2, d3 = mma_bf16(a0, a1, a2, a3, bl0, bl1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3], frag,
                                       warp, lane)
@@ -409,7 +426,7 @@ def tile_mma(rt: int, nt: int):
 TC_PTR = os.environ.get("KDT_TC_PTR", "0") == "1"
 
 
-def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
+def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool, fo: bool = False):
     """Device function ``mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane, ring)``: the warp's tile of rt x 16
     weight rows by nt x 8 tokens over the 4-word groups [g0, g1) of K (warp-uniform; words >= Kw count as 0):
 
@@ -422,16 +439,24 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
     before their first use (``cs``: the weights with the streaming hint). Every lane of the warp issues the same
     mma sequence: the last partial step is masked (loads skipped, zeros), not shortened. ``PTR`` (``TC_PTR``, x hi /
     lo, on the GPU): the full steps load at this lane's row addresses, computed once and advanced a step (a token's hi
-    and lo words in one 16-byte load); the same loads and mma as the indexed steps, so the same sums."""
-    key = (rt, nt, u, xl, cs, TC_PTR)
+    and lo words in one 16-byte load); the same loads and mma as the indexed steps, so the same sums. ``fo``: W in
+    fragment order (module docstring; x hi / lo; N % 16 == 0, Kw % 4 == 0 and row tiles that start at multiples of
+    16, so rows[2 r] // 16 is row tile r's tile): a group's A fragments in one 16-byte load a lane, at raw addresses
+    as ``PTR`` on the GPU; the same fragments, so the same sums as W in natural order."""
+    key = (rt, nt, u, xl, cs, TC_PTR, fo)
     if key in _CACHE:
         return _CACHE[key]
-    NT, XL, CS = nt, xl, cs
+    NT, XL, CS, RT, FO = nt, xl, cs, rt, fo
     HILO = xl == XL_HILO
-    PTR = TC_PTR and HILO and not IS_SIM
-    NB, NWB = 2 * rt, 2 * rt * u  # weight words a lane loads a group, a step
+    if FO and not HILO:
+        raise ValueError("fragment-ordered weights take x in the hi / lo layout (XL_HILO)")
+    PTR = (TC_PTR or FO) and HILO and not IS_SIM
+    NB = 2 * rt  # rows a lane loads a group
+    NWQ = 4 * rt if FO else NB  # weight registers (fo: uint32) / words a lane loads a group
+    NWB, WDT = NWQ * u, (uint32 if FO else uint64)
+    NP = rt if FO else NB  # weight addresses a lane (PTR)
     NXB = 2 * nt * u if HILO else 1  # hi / lo x words a lane loads a step
-    tmma = tile_mma(rt, nt)
+    tmma = tile_mma(rt, nt, fo)
 
     def mma_hilo_fn(uu: int):
         UU = uu
@@ -443,7 +468,7 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
                     xh, xo = xbuf[(q * NT + j) * 2], xbuf[(q * NT + j) * 2 + 1]
                     bh0, bh1 = uint32(xh & uint64(0xFFFFFFFF)), uint32(xh >> uint64(32))
                     bl0, bl1 = uint32(xo & uint64(0xFFFFFFFF)), uint32(xo >> uint64(32))
-                    tmma(acc, wbuf, q * NB, j, bh0, bh1, bl0, bl1, frag, warp, lane)
+                    tmma(acc, wbuf, q * NWQ, j, bh0, bh1, bl0, bl1, frag, warp, lane)
 
         return _device(mma_hilo)
 
@@ -455,11 +480,25 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
             t = uint64(lane % 4)
             for q in range(UU):
                 w = kb + uint64(4 * q) + t
-                for i in range(NB):
-                    if not CHECKED or w < Kw:
-                        wbuf[q * NB + i] = ldcs3(W, e, rows[i], w) if CS else W[e, rows[i], w]
-                    else:
-                        wbuf[q * NB + i] = uint64(0)
+                if FO:  # row tile r's group: words 2 lane, 2 lane + 1 of its 64, counted from the tile's first row
+                    o = (kb + uint64(4 * q)) * _U16 + uint64(2 * lane)
+                    for r in range(RT):
+                        b = q * NWQ + 4 * r
+                        if not CHECKED or w < Kw:
+                            row = rows[2 * r] // _U16 * _U16 + o // Kw
+                            c = o % Kw
+                            v0 = ldcs3(W, e, row, c) if CS else W[e, row, c]
+                            v1 = ldcs3(W, e, row, c + _U1) if CS else W[e, row, c + _U1]
+                            wbuf[b], wbuf[b + 1] = uint32(v0 & uint64(0xFFFFFFFF)), uint32(v0 >> _U32)
+                            wbuf[b + 2], wbuf[b + 3] = uint32(v1 & uint64(0xFFFFFFFF)), uint32(v1 >> _U32)
+                        else:
+                            wbuf[b] = wbuf[b + 1] = wbuf[b + 2] = wbuf[b + 3] = uint32(0)
+                else:
+                    for i in range(NB):
+                        if not CHECKED or w < Kw:
+                            wbuf[q * NB + i] = ldcs3(W, e, rows[i], w) if CS else W[e, rows[i], w]
+                        else:
+                            wbuf[q * NB + i] = uint64(0)
             if HILO:
                 for q in range(UU):
                     w = kb + uint64(4 * q) + t
@@ -491,34 +530,57 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
         return _device(step)
 
     U = u
+    WSTEP = (512 if FO else 32) * U  # bytes a weight address advances a step (fo: a group is 64 words of the tile)
     full, one = step_fn(u, False), step_fn(1, True)
 
     if PTR:
         mma_full = mma_hilo_fn(u)
         ldw = ld_cs_u64 if CS else ld_u64
+        ldw4 = ld_cs_v4_u32 if CS else ld_v4_u32
 
         def pstep(pw, px, acc, wbuf, xbuf, frag, warp, lane):
-            """A full step at the lane's addresses pw (its weight rows at word kb + t) and px (its x rows at word
-            kb + t, hi then lo)."""
+            """A full step at the lane's addresses pw (its weight rows at word kb + t; fo: its row tiles' group kb / 4
+            at its 16 bytes) and px (its x rows at word kb + t, hi then lo)."""
             for q in range(U):
-                for i in range(NB):
-                    wbuf[q * NB + i] = ldw(pw[i] + uint64(32 * q))  # (word kb + 4 q + t)
+                for i in range(NP):
+                    if FO:  # (group kb / 4 + q)
+                        b = q * NWQ + 4 * i
+                        wbuf[b], wbuf[b + 1], wbuf[b + 2], wbuf[b + 3] = ldw4(pw[i] + uint64(512 * q))
+                    else:
+                        wbuf[q * NB + i] = ldw(pw[i] + uint64(32 * q))  # (word kb + 4 q + t)
             for q in range(U):
                 for j in range(NT):
                     xi = (q * NT + j) * 2
                     xbuf[xi], xbuf[xi + 1] = ld_v2_u64(px[j] + uint64(64 * q))
             mma_full(acc, wbuf, xbuf, frag, warp, lane)
 
-        pstep = _device(pstep)
+        mma_one = mma_hilo_fn(1)
+
+        def pone(pw, px, ok, acc, wbuf, xbuf, frag, warp, lane):
+            """fo: one group at the lane's addresses, its loads skipped (zeros) unless ``ok`` (the group is below Kw:
+            Kw % 4 == 0, so all its words or none)."""
+            for i in range(NP):
+                if ok:
+                    wbuf[4 * i], wbuf[4 * i + 1], wbuf[4 * i + 2], wbuf[4 * i + 3] = ldw4(pw[i])
+                else:
+                    wbuf[4 * i] = wbuf[4 * i + 1] = wbuf[4 * i + 2] = wbuf[4 * i + 3] = uint32(0)
+            for j in range(NT):
+                if ok:
+                    xbuf[2 * j], xbuf[2 * j + 1] = ld_v2_u64(px[j])
+                else:
+                    xbuf[2 * j] = xbuf[2 * j + 1] = uint64(0)
+            mma_one(acc, wbuf, xbuf, frag, warp, lane)
+
+        pstep, pone = _device(pstep), _device(pone)
     else:
-        pstep = None  # (never called: the branch below is pruned)
+        pstep = pone = None  # (never called: the branches below are pruned)
 
     def mm(W, e, rows, X, xrows, g0, g1, acc, frag, warp, lane, ring):  # (ring: warp_mm_staged's, unused)
         Kw = uint64(W.shape[2])
         ue = uint64(e)
         ur = cuda.local.array(NB, uint64)
         ux = cuda.local.array(NT, uint64)
-        wbuf = cuda.local.array(NWB, uint64)
+        wbuf = cuda.local.array(NWB, WDT)
         xbuf = cuda.local.array(NXB, uint64)
         for i in range(NB):
             ur[i] = uint64(rows[i])
@@ -526,29 +588,42 @@ def warp_mm(rt: int, nt: int, u: int, xl: int, cs: bool):
             ux[j] = uint64(xrows[j])
         kb = uint64(4 * g0)
         kend = uint64(4 * g1)
-        if PTR:  # byte addresses of this lane's word kb + t of its weight rows and of its x rows' hi / lo pairs
+        if PTR:  # byte addresses of this lane's weights at word kb (+ t) and of its x rows' hi / lo pairs
             t = uint64(lane % 4)
-            pw = cuda.local.array(NB, uint64)
+            pw = cuda.local.array(NP, uint64)
             px = cuda.local.array(NT, uint64)
             wb, xb = gmem_base(W) + ue * uint64(W.strides[0]), gmem_base(X)  # (strides in bytes; words contiguous)
-            for i in range(NB):
-                pw[i] = wb + ur[i] * uint64(W.strides[1]) + _U8 * (kb + t)
+            for i in range(NP):
+                if FO:  # row tile i's first row, then group kb / 4 (512 bytes a group), then the lane's 16 bytes
+                    r0 = ur[2 * i] // _U16 * _U16
+                    pw[i] = wb + r0 * uint64(W.strides[1]) + uint64(128) * kb + _U16 * uint64(lane)
+                else:
+                    pw[i] = wb + ur[i] * uint64(W.strides[1]) + _U8 * (kb + t)
             for j in range(NT):
                 px[j] = xb + ux[j] * uint64(X.strides[0]) + _U16 * (kb + t)
             while kb + uint64(4 * U) <= kend and kb + uint64(4 * U) <= Kw:
                 pstep(pw, px, acc, wbuf, xbuf, frag, warp, lane)
-                for i in range(NB):
-                    pw[i] += uint64(32 * U)
+                for i in range(NP):
+                    pw[i] += uint64(WSTEP)
                 for j in range(NT):
                     px[j] += uint64(64 * U)
                 kb += uint64(4 * U)
+            if FO:  # the rest at the same addresses, a group at a time (none is left for the loop below)
+                while kb < kend:
+                    pone(pw, px, kb < Kw, acc, wbuf, xbuf, frag, warp, lane)
+                    for i in range(NP):
+                        pw[i] += uint64(512)
+                    for j in range(NT):
+                        px[j] += uint64(64)
+                    kb += uint64(4)
         else:
             while kb + uint64(4 * U) <= kend and kb + uint64(4 * U) <= Kw:  # every word of the U groups in range
                 full(W, ue, ur, X, ux, kb, Kw, acc, wbuf, xbuf, frag, warp, lane)
                 kb += uint64(4 * U)
-        while kb < kend:  # the rest, a group at a time, masked
-            one(W, ue, ur, X, ux, kb, Kw, acc, wbuf, xbuf, frag, warp, lane)
-            kb += uint64(4)
+        if not (PTR and FO):
+            while kb < kend:  # the rest, a group at a time, masked
+                one(W, ue, ur, X, ux, kb, Kw, acc, wbuf, xbuf, frag, warp, lane)
+                kb += uint64(4)
 
     mm = _device(mm)
     _CACHE[key] = mm
@@ -710,6 +785,53 @@ def hilo_np(X: np.ndarray) -> np.ndarray:
     return out.reshape(rows, 2 * K).view(np.uint64)
 
 
+def fits_fo(N: int, Kw: int) -> bool:
+    """Whether weights of N rows of Kw words can take the fragment order (module docstring)."""
+    return N % MMA_ROWS == 0 and Kw % 4 == 0
+
+
+def fo_np(W: np.ndarray) -> np.ndarray:
+    """W (uint64 [E, N, Kw], bf16 words) in fragment order on the host (module docstring): the reference of
+    :func:`to_fo`."""
+    E, N, Kw = W.shape
+    if not fits_fo(N, Kw):
+        raise ValueError(f"fragment order needs N % 16 == 0 and Kw % 4 == 0, not N = {N}, Kw = {Kw}")
+    # [e, tile, h, g, grp, t, lo / hi half] -> [e, tile, grp, g, t, half, h]: lane 4 g + t's registers a0 .. a3 =
+    # (lo, row g), (lo, g + 8), (hi, g), (hi, g + 8)
+    w32 = np.ascontiguousarray(W).view(np.uint32).reshape(E, N // 16, 2, 8, Kw // 4, 4, 2)
+    return np.ascontiguousarray(w32.transpose(0, 1, 4, 3, 5, 6, 2)).reshape(E, N, 2 * Kw).view(np.uint64)
+
+
+@cuda.jit
+def fo_kernel(src, dst):
+    """dst = src in fragment order (:func:`fo_np`), uint64 [E, N, Kw] both; a thread a word of dst."""
+    grid_dependency_wait()
+    E, N, Kw = src.shape
+    i = cuda.grid(1)
+    if i >= E * N * Kw:
+        return
+    e, o = i // (N * Kw), i % (N * Kw)  # o: the word's place in its expert
+    tile, r = o // (MMA_ROWS * Kw), o % (MMA_ROWS * Kw)
+    lane, half = (r % 64) // 2, r % 2  # (group r // 64 of the tile)
+    w = 4 * (r // 64) + lane % 4
+    row = MMA_ROWS * tile + lane // 4
+    sh = uint64(32 * half)
+    lo = (src[e, row, w] >> sh) & uint64(0xFFFFFFFF)
+    hi = (src[e, row + 8, w] >> sh) & uint64(0xFFFFFFFF)
+    dst[e, o // Kw, o % Kw] = lo | (hi << _U32)
+
+
+def to_fo(W, stream=0):
+    """A new device array: device W (uint64 [E, N, Kw]) in fragment order (:func:`fo_np`), on ``stream``."""
+    E, N, Kw = W.shape
+    if not fits_fo(N, Kw):
+        raise ValueError(f"fragment order needs N % 16 == 0 and Kw % 4 == 0, not N = {N}, Kw = {Kw}")
+    out = cuda.device_array_like(W, stream=stream)
+    n = E * N * Kw
+    fo_kernel[(n + 255) // 256, 256, stream](W, out)
+    return out
+
+
 @_device
 def k_groups(Kw, nw):
     """4-word groups of K (Kw words) per warp when nw warps split K (the last ones masked past Kw)."""
@@ -763,7 +885,7 @@ def _put_sums_bits(sm, acc, warp, lane):
 _put_sums, _put_sums_bits = _device(_put_sums), _device(_put_sums_bits)
 
 
-def block_mm(rt: int, nt: int, u: int, xl: int, cs: bool, nw: int, kw: int = 0, st: int = 0):
+def block_mm(rt: int, nt: int, u: int, xl: int, cs: bool, nw: int, kw: int = 0, st: int = 0, fo: bool = False):
     """Device function ``bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane)``: the block's pass of
     :func:`warp_mm` (same rows, xrows, acc) over all of K, its nw warps in nw / kw row groups (each warp passes its
     group's rows) of kw warps splitting K (``k_groups``; kw = 0: one group of nw): each warp's acc, from zero, into
@@ -771,13 +893,15 @@ def block_mm(rt: int, nt: int, u: int, xl: int, cs: bool, nw: int, kw: int = 0, 
     sums a position over a group's warps). Row groups share the token tile's x through L1, a K split adds warps
     where a grid has few blocks. st >= 2: the warp tile's loads staged through shared memory, st stages of u groups
     (:func:`warp_mm_staged`, its rings in ``sm``: :func:`sm_shape`; the sums then as float32 bits,
-    :func:`block_total_fn`)."""
+    :func:`block_total_fn`). ``fo``: W in fragment order (:func:`warp_mm`; not staged)."""
     kw, KW, _ = row_groups(nw, kw)
-    key = ("block", rt, nt, u, xl, cs, nw, kw, st, TC_PTR)
+    if fo and st:
+        raise ValueError("fragment-ordered weights are not staged (st = 0)")
+    key = ("block", rt, nt, u, xl, cs, nw, kw, st, TC_PTR, fo)
     if key in _CACHE:
         return _CACHE[key]
     NA = 4 * rt * nt
-    mm = warp_mm_staged(rt, nt, u, xl, st) if st else warp_mm(rt, nt, u, xl, cs)
+    mm = warp_mm_staged(rt, nt, u, xl, st) if st else warp_mm(rt, nt, u, xl, cs, fo)
     put_sums = _put_sums_bits if st else _put_sums  # (staged: after the warp's last reads of its ring)
 
     def bmm(W, e, rows, X, xrows, acc, sm, frag, warp, lane):
@@ -820,7 +944,7 @@ def block_total_fn(st: int):
 
 
 def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int = 0, heads: bool = False,
-                st: int = 0):
+                st: int = 0, fo: bool = False):
     """``y[M, N] (+)= X[M, K] W[e, N, K]^T`` (kdt.kernels.linear's tensor-core path; the warp tile's test). Block
     (bx, by): tokens [8 nt bx, 8 nt (bx + 1)) x rows [R by, R (by + 1)), R = 16 rt nw / kw (the token tiles of a
     row tile are neighbours in the grid, so they meet its weights in L2); its nw warps in row groups of kw warps
@@ -830,14 +954,17 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
     ``heads``: one such GEMM a head h = blockIdx.z of H = gridDim.z, on the last N of each head's W.shape[1] / H
     rows (kdt.kernels.mla.uv_project: W_uv[h], the last dv of kv_b's dn + dv rows of head h), X row m H + h (o_lat
     [M, H, K] flattened) and y columns [h N, (h + 1) N) of y [M, H N]; e and accumulate are not read (W [1, ...]).
-    st >= 2: the loads staged through shared memory (:func:`warp_mm_staged`)."""
+    st >= 2: the loads staged through shared memory (:func:`warp_mm_staged`). ``fo``: W in fragment order
+    (:func:`to_fo`; N % 16 == 0, K % 16 == 0, x hi / lo; not with heads)."""
     kw, KW, NRG = row_groups(nw, kw)
-    key = ("gemm", rt, nt, u, nw, xl, kw, heads, st, TC_PTR)
+    if fo and heads:
+        raise ValueError("fragment-ordered weights: one GEMM, not one a head")
+    key = ("gemm", rt, nt, u, nw, xl, kw, heads, st, TC_PTR, fo)
     if key in _CACHE:
         return _CACHE[key]
     RT, NT, NW, NA, NB, HEADS = rt, nt, nw, rt * nt * 4, 2 * rt, heads
     FRAG, SM, SMT = frag_shape(nw), sm_shape(nw, rt, nt, st, u), sm_dtype(st)
-    bmm = block_mm(rt, nt, u, xl, False, nw, kw, st)
+    bmm = block_mm(rt, nt, u, xl, False, nw, kw, st, fo)
     total = block_total_fn(st)
 
     def tc_gemm(X, W, e, y, accumulate):
@@ -872,7 +999,7 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
                 y[m, c] = y[m, c] + v if accumulate and not HEADS else v
 
     tc_gemm.__name__ = (f"tc_gemm_rt{rt}_nt{nt}_u{u}_nw{nw}{XL_NAMES[xl]}{f'_kw{kw}' if kw else ''}"
-                        f"{'_heads' if heads else ''}{f'_st{st}' if st else ''}")
+                        f"{'_heads' if heads else ''}{f'_st{st}' if st else ''}{'_fo' if fo else ''}")
     k = cuda.jit(tc_gemm)
     _CACHE[key] = k
     return k
@@ -881,7 +1008,8 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
 __all__ = ["mma_bf16", "split_bf16x2", "warp_mm", "warp_mm_staged", "cp_async16", "cp_async_commit", "cp_async_wait",
            "lanes_sync", "row_groups", "block_mm", "block_total", "block_total_bits", "block_total_fn", "sm_shape",
            "sm_dtype", "tile_rows", "acc_row",
-           "acc_col", "gemm_kernel", "frag_shape", "put_hilo", "hilo_np", "XL_NATURAL", "XL_PERM", "XL_HILO"]
+           "acc_col", "gemm_kernel", "frag_shape", "put_hilo", "hilo_np", "fits_fo", "fo_np", "to_fo", "XL_NATURAL",
+           "XL_PERM", "XL_HILO"]
 
 
 def _register() -> None:
@@ -896,6 +1024,8 @@ def _register() -> None:
                   (2, 2, 1, 4, XL_HILO, 0, False, 3), (1, 2, 1, 4, XL_NATURAL, 0, False, 2)):  # (+ staged loads)
         x = u64[:, ::1] if shape[4] == XL_HILO else f32[:, ::1]
         register_ptx(gemm_kernel(*shape), (x, u64[:, :, ::1], i64, f32[:, ::1], boolean))
+    register_ptx(gemm_kernel(2, 4, 2, 4, XL_HILO, fo=True), (u64[:, ::1], u64[:, :, ::1], i64, f32[:, ::1], boolean))
+    register_ptx(fo_kernel, (u64[:, :, ::1], u64[:, :, ::1]))
     global TC_PTR
     saved, TC_PTR = TC_PTR, not TC_PTR  # the warp tile's other step (KDT_TC_PTR), under its own cache keys
     try:
