@@ -649,13 +649,13 @@ def test_moe_forward_fit_same_bits(rng, M, k, tiles):
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("M,D,I,tiles", [(17, 32, 16, "tc_hilo"), (11, 48, 16, "tc2_kw1_hilo"),
-                                         (41, 32, 32, "tc4_split_fit")])
+                                         (41, 32, 32, "tc4_split_fit"), (1, 32, 16, "tc2_fit")])
 def test_moe_forward_fragment_order_same_bits(rng, M, D, I, tiles):
     """tc_fo: kernels B's routed gate_up and C's routed down read the layer's fragment-ordered copy of the experts
     (kdt.kernels.tc.to_fo) and give the bits of the natural order, and the layer against float64. Every token takes
-    expert 0 (its bias): passes of every size run. tc2_kw1_hilo: kernel B's second row group of 16 outputs wholly past
-    I = 16, kernel C's third past D = 48 (their clamped rows read a real tile). I = 12: no copy, the launches drop
-    tc_fo."""
+    expert 0 (its bias): passes of every size run; one token (s43a's tensor cores at the FMA tiles' M).
+    tc2_kw1_hilo: kernel B's second row group of 16 outputs wholly past I = 16, kernel C's third past D = 48 (their
+    clamped rows read a real tile). I = 12: no copy, the launches drop tc_fo."""
     cfg = _cfg(**dict(_V2_SKEW, hidden_size=D, moe_intermediate_size=I, num_experts_per_tok=2))
     w = _layer_weights(rng, cfg)
     w[PREFIX + "gate.e_score_correction_bias"][0] += 3.0

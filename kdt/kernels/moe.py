@@ -2560,6 +2560,8 @@ def _register() -> None:
               + [replace(v2_tiles(64, 8), tc_ot=2), replace(v2_tiles(64, 8), tc_ot=2, tc_hilo=True, tc_st=3)]  # tc_ot
               + [replace(v2_tiles(M, 8), tc_fit=False) for M in (64, 256)]  # every pass on all tiles (session 34's)
               + [replace(v2_tiles(M, 8), tc_fo=True) for M in (64, 256)]  # the experts in fragment order (tc_fo)
+              + [replace(_v2_tiles_by_m(M, 8), tc=2, jc=1, tc_hilo=True, tc_split=True, tc_fit=True, tc_fo=True)
+                 for M in (1, 8)]  # ... at the FMA tiles' M (s43a: KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
