@@ -125,6 +125,8 @@ def test_tc_gemm_fragment_order(rng, M, N, K, rt, nt, u, nw, kw):
     (64, 2816, 2048, 2, 4, 2, 4, 0),  # Moonlight's routed gate_up rows of one expert, 64 tokens
     (6, 2048, 1408, 2, 1, 2, 4, 0),  # a routed down: ~6 tokens an expert
     (40, 2048, 1408, 2, 2, 4, 4, 2),  # 2 row groups of 2 warps, 4 groups a step
+    (33, 1008, 1040, 2, 2, 3, 3, 0),  # 65 groups over 3 warps of 22: 7 steps of 3, then one group at the addresses
+    # (the last warp's past K: its loads skipped)
 ])
 def test_tc_gemm_fragment_order_gpu(rng, M, N, K, rt, nt, u, nw, kw):
     seed = int(rng.integers(1 << 30))
