@@ -102,13 +102,16 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             ("tc_ot2_st3", r(t, tc_ot=2, tc_hilo=True, tc_st=3)),
             ("tc_nofit" if t.tc_fit else "tc_fit", r(t, tc_fit=not t.tc_fit)),  # short passes on fewer token tiles
             # kernel B's routed gate_up on the block-tiled GEMM (kdt.kernels.tc_tiled; x hi / lo), or not
-            ("tc_untiled", r(t, tiled=False)) if t.tiled else ("tc_tiled", r(t, tc_hilo=True, tiled=True))]
+            ("tc_untiled", r(t, tiled=False)) if t.tiled else ("tc_tiled", r(t, tc_hilo=True, tiled=True)),
+            ("tc_nofo", r(t, tc_fo=False)) if t.tc_fo else ("tc_fo", r(t, tc_hilo=True, tc_fo=True))]  # (session 43)
     tcv = r(t, tc=2, jc=1, tc_split=True)  # tensor cores below their first M (bf16; other weights: the FMA tiles)
     tcs = [("tc2", tcv), ("tc2_fit", r(tcv, tc_fit=True)), ("tc2_fit_hilo", r(tcv, tc_fit=True, tc_hilo=True))
            ] if 8 <= M < moe.TC_MIN_M else []
+    # ... at any M below them with the experts in fragment order (kernels A and B apart: kernel AB has no tensor cores)
+    tcs += [("tc_fo_small", r(tcv, tc_fit=True, tc_hilo=True, tc_fo=True, ab=False))] if M < moe.TC_MIN_M else []
     if M <= 1:
         return [("kernel_B_shared_last", r(t, sd_first=False)), ("rows8_words2", r(t, nr=8, u=2, nr_c=8, u_c=2)),
-                ("words2", r(t, u=2, u_c=2)), ("words8", r(t, u=8, u_c=8)), ("C_8warps", r(t, nw_c=8))]
+                ("words2", r(t, u=2, u_c=2)), ("words8", r(t, u=8, u_c=8)), ("C_8warps", r(t, nw_c=8))] + tcs
     if M <= 16:
         return [("tt2", r(t, tt=2, tt_c=2)), ("tt2_sd_first", r(t, tt=2, tt_c=2, sd_first=True)),
                 ("sd_first", r(t, sd_first=True)), ("tt8_words2", r(t, tt=8, tt_c=8, u=2, u_c=2, sd_first=True))] + tcs
@@ -154,7 +157,10 @@ def variants_for(M: int, cfg, layer, scratch, sweep: str | None, only: list[str]
     if sweep:
         variants += [(f"v2 {n}", 2, t) for n, t in
                      (sweep_variants if sweep == "all" else previous_defaults)(M, k, E, D)]
-    return [v for v in variants if v[0] in only] if only else variants
+    variants = [v for v in variants if v[0] in only] if only else variants
+    if any(t is not None and t.tc_fo for _, _, t in variants):  # the layer's fragment-ordered copy (moe.TC_FO)
+        layer.fragment_order()
+    return variants
 
 
 def _setup(name: str, dtype: str, M_max: int):

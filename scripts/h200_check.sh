@@ -1619,28 +1619,23 @@ s42e)  # session 42, issue 7: the warp tile's full steps at raw row addresses (K
   KDT_TC_PTR=1 tparts 200 moe tests/test_kernels_moe.py -k "test_moe_forward_moonlight and (64-bf16-2 or 256-bf16-2)"
   wait
   for n in tc moe; do echo "pytest $n:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_$n.log" | cut -c1-300; done ;;
-s43a)  # session 43, issue 7: the routed experts in fragment order (KDT_MOE_TC_FO, built, off) and the warp tile at raw
-  # addresses (KDT_TC_PTR, s42e's): the Moonlight MoE layer at 65 / 256 tokens with neither / PTR / FO / both
-  # (scripts/bench_moe.py, a process each; MOE_TIMEOUT s each, 140), then at 1 / 4 / 8 / 16 tokens
-  for v in "0 0" "1 0" "0 1" "1 1"; do
-    set -- $v
-    KDT_TC_PTR=$1 KDT_MOE_TC_FO=$2 step moe_p$1_fo$2 ${MOE_TIMEOUT:-140} python3 scripts/bench_moe.py \
-      --presets moonlight-16b-a3b --M 65,256 --only v2 --json "$OUT/moe-$day-moonlight-ptr$1-fo$2-s43a.json"
-    grep -h "v2 " "$OUT/moe_p$1_fo$2.log" | cut -c1-160
+s43a)  # session 43, issue 7: the routed experts in fragment order (V2Tiles.tc_fo, KDT_MOE_TC_FO; built, off) and the
+  # warp tile at raw addresses (KDT_TC_PTR, s42e's): the Moonlight MoE layer at 65 / 256 tokens, the default against
+  # tc_fo in one process (its output diff against the default must read 0: the same sums), a process with PTR off and
+  # one with it on; then at 1 / 4 / 8 / 16 tokens the default (FMA tiles below 16) against the tensor cores in fragment
+  # order (scripts/bench_moe.py --sweep's tc_fo / tc_fo_small; MOE_TIMEOUT s each, 200)
+  for p in 0 1; do
+    KDT_TC_PTR=$p step moe_p$p ${MOE_TIMEOUT:-200} python3 scripts/bench_moe.py --presets moonlight-16b-a3b \
+      --M 65,256 --sweep --only "v2,v2 tc_fo" --json "$OUT/moe-$day-moonlight-fo-ptr$p-s43a.json"
+    grep -h "v2" "$OUT/moe_p$p.log" | cut -c1-160
   done
-  # ... and the small M on tensor cores with the experts in fragment order (the FMA tiles' M, whatever the load) against
-  # the default's FMA tiles (kernel AB at one token)
-  for v in "16 1.5 0 1" "1 0 1 0"; do
-    set -- $v
-    KDT_MOE_TC_M=$1 KDT_MOE_TC_LOAD=$2 KDT_MOE_TC_FO=$3 KDT_MOE_AB_M=$4 step moe_small_fo$3 ${MOE_TIMEOUT:-140} python3 \
-      scripts/bench_moe.py --presets moonlight-16b-a3b --M 1,4,8,16 --only v2 \
-      --json "$OUT/moe-$day-moonlight-small-fo$3-s43a.json"
-    grep -h "v2 " "$OUT/moe_small_fo$3.log" | cut -c1-160
-  done ;;
+  step moe_small ${MOE_TIMEOUT:-200} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 1,4,8,16 --sweep \
+    --only "v2,v2 tc_fo_small,v2 tc_fo" --json "$OUT/moe-$day-moonlight-fo-small-s43a.json"
+  grep -h "v2" "$OUT/moe_small.log" | cut -c1-160 ;;
 s43b)  # session 43, issue 7: the gpu tests of s43a's switches (the warp tile's GEMMs, the Moonlight MoE layer in bf16;
-  # FO alone, FO with PTR, PTR alone; FO at 1 and 16 tokens on tensor cores), then the budget-64 oracle step's programs in their graphs with the routed experts
-  # in fragment order against the natural order (scripts/profile_graphs.py --moe-fo-ab, one process, both orders kept;
-  # KDT_TC_PTR as the caller sets it)
+  # FO alone, FO with PTR, PTR alone; FO at 1 and 16 tokens on tensor cores), then the budget-64 oracle step's
+  # programs in their graphs with the routed experts in fragment order against the natural order (scripts/
+  # profile_graphs.py --moe-fo-ab, one process, both orders kept; KDT_TC_PTR as the caller sets it)
   fo_tests="fragment_order_gpu or (test_moe_forward_moonlight and (64-bf16-2 or 256-bf16-2))"
   KDT_MOE_TC_FO=1 KDT_TC_PTR=0 tparts 240 fo tests/test_kernels_tc.py tests/test_kernels_moe.py -k "$fo_tests"
   KDT_MOE_TC_FO=1 KDT_TC_PTR=1 tparts 240 fo_ptr tests/test_kernels_tc.py tests/test_kernels_moe.py -k "$fo_tests"
