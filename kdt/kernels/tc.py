@@ -790,12 +790,17 @@ def fits_fo(N: int, Kw: int) -> bool:
     return N % MMA_ROWS == 0 and Kw % 4 == 0
 
 
+def _need_fo(N: int, Kw: int) -> None:
+    """Raise ValueError unless :func:`fits_fo`."""
+    if not fits_fo(N, Kw):
+        raise ValueError(f"fragment order needs N % 16 == 0 and Kw % 4 == 0, not N = {N}, Kw = {Kw}")
+
+
 def fo_np(W: np.ndarray) -> np.ndarray:
     """W (uint64 [E, N, Kw], bf16 words) in fragment order on the host (module docstring): the reference of
     :func:`to_fo`."""
     E, N, Kw = W.shape
-    if not fits_fo(N, Kw):
-        raise ValueError(f"fragment order needs N % 16 == 0 and Kw % 4 == 0, not N = {N}, Kw = {Kw}")
+    _need_fo(N, Kw)
     # [e, tile, h, g, grp, t, lo / hi half] -> [e, tile, grp, g, t, half, h]: lane 4 g + t's registers a0 .. a3 =
     # (lo, row g), (lo, g + 8), (hi, g), (hi, g + 8)
     w32 = np.ascontiguousarray(W).view(np.uint32).reshape(E, N // 16, 2, 8, Kw // 4, 4, 2)
@@ -824,8 +829,7 @@ def fo_kernel(src, dst):
 def to_fo(W, stream=0):
     """A new device array: device W (uint64 [E, N, Kw]) in fragment order (:func:`fo_np`), on ``stream``."""
     E, N, Kw = W.shape
-    if not fits_fo(N, Kw):
-        raise ValueError(f"fragment order needs N % 16 == 0 and Kw % 4 == 0, not N = {N}, Kw = {Kw}")
+    _need_fo(N, Kw)
     out = cuda.device_array_like(W, stream=stream)
     n = E * N * Kw
     fo_kernel[(n + 255) // 256, 256, stream](W, out)
