@@ -44,13 +44,19 @@ from kdt.kernels import moe  # noqa: E402
 from kdt.kernels.bench import copy_bandwidth, moe_layer, rand, time_us  # noqa: E402
 
 
+def default_tiles(M: int, k: int, E: int, D: int) -> moe.V2Tiles:
+    """The launch shape moe_forward takes at M for a layer with its experts' fragment-ordered copy where moe.TC_FO
+    keeps one (bf16 weights)."""
+    return moe.v2_tiles(M, k, E, D, fo=moe.TC_FO != "0")
+
+
 def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tiles]]:
     """The default launch shape with one of the recent changes undone (name, tiles): kernel A routing all M
     tokens in one block, kernel C's experts per block by M alone (session 10); kernel A's token tiles by M
     alone (session 11); kernels A and B as two launches (session 24); float32 x into the tensor cores, the shared GEMMs
     over all M tokens a block (session 28); the tensor cores' passes all of tc token tiles, x float32 below 4 (session
-    35's tc_fit)."""
-    t = moe.v2_tiles(M, k, E, D)
+    35's tc_fit); the experts in their natural order (session 44's fragment order)."""
+    t = default_tiles(M, k, E, D)
     r = dataclasses.replace
     old = [("A_one_router", r(t, rt=False))] if M > t.tt_s else []
     if t.ab:  # session 24: kernels A and B in one launch (and its register cap)
@@ -68,6 +74,9 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
             old.append(("fma", moe.v2_tiles(M, k, E, D)))
         finally:
             moe.TC_MIN_M = saved
+    s43 = moe.v2_tiles(M, k, E, D)  # session 44: the experts in fragment order, on tensor cores from TC_FO_MIN_M
+    if s43 != t and s43.tc:
+        old.append(("tc_natural_order", s43))
     by_m = moe._v2_tiles_by_m(M, k)
     if by_m.jc != t.jc and not t.tc:
         old.append(("C_jc_by_M", r(t, jc=by_m.jc)))
@@ -78,7 +87,7 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
 
 def sweep_variants(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tiles]]:
     """Version-2 launch shapes tried beside the default with --sweep (name, tiles)."""
-    t = moe.v2_tiles(M, k, E, D)
+    t = default_tiles(M, k, E, D)
     seen, out = {t}, []
     for name, v in previous_defaults(M, k, E, D) + _other_variants(t, M):  # (the first name of a launch shape)
         if v not in seen:
@@ -243,7 +252,7 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: fl
             gbs = nbytes / us * 1e-3
             row = dict(preset=name, M=M, variant=vname, us=us, GBps=gbs, pct_copy=100 * gbs * 1e9 / bw,
                        speedup_vs_v1=us_v1 / us, rel_diff_vs_v1=diff, n_active=n_active,
-                       tiles=dataclasses.asdict(tiles or moe.v2_tiles(M, cfg.num_experts_per_tok, E, D))
+                       tiles=dataclasses.asdict(tiles or default_tiles(M, cfg.num_experts_per_tok, E, D))
                        if version == 2 else None)
             rows.append(row)
             print(f"{name:18s} {M:3d} {vname:16s} {us:8.1f} {gbs:7.0f} {row['pct_copy']:6.0f}% "

@@ -19,7 +19,8 @@ kdt.kernels.common's PDL section). ``--combine-in-ab``: also with the one-token 
 switched (kdt.kernels.mla.COMBINE_IN_MAX_M: on if the environment left it off, else off). ``--absorb-tc-ab``: also
 with q_absorb's absorb on its FMA kernel where it runs on tensor cores (kdt.kernels.mla.QABS_TC_MIN_M = 0).
 ``--moe-fo-ab``: every MoE layer keeps its experts' fragment-ordered copy (kdt.kernels.moe.MoEWeights.fragment_order),
-and each whole program is also timed with the routed GEMMs on tensor cores reading it (kdt.kernels.moe.TC_FO switched).
+and each whole program is also timed with kdt.kernels.moe.TC_FO switched: where it is on (the default) with the
+natural order and the tensor cores from TC_MIN_M tokens (session 43's kernels), where it is off with the copy.
 
 Replays would change the state: each step commits tokens, so L would grow by thousands over the replays and
 the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
@@ -184,7 +185,8 @@ def main() -> int:
                     "cores (kdt.kernels.mla.QABS_TC_MIN_M = 0)")
     ap.add_argument("--moe-fo-ab", action="store_true",
                     help="also time each whole program with the MoE's routed GEMMs on the experts in fragment order "
-                    "(kdt.kernels.moe.TC_FO switched; each layer keeps both orders)")
+                    "or, where the default already does, in the natural order (kdt.kernels.moe.TC_FO switched; each "
+                    "layer keeps both orders)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -254,9 +256,9 @@ def main() -> int:
         switches.append(("programs_us_absorb_fma", "abs FMA",
                          lambda on: setattr(mla, "QABS_TC_MIN_M", 0 if on else qa)))
     if args.moe_fo_ab:
-        fo = moe.TC_FO
-        switches.append((f"programs_us_moe_fo_{int(not fo)}", f"fo {int(not fo)}",
-                         lambda on: setattr(moe, "TC_FO", (not fo) if on else fo)))
+        fo, other = moe.TC_FO, "0" if moe.TC_FO != "0" else "1"
+        switches.append((f"programs_us_moe_fo_{other}", f"fo {other}",
+                         lambda on: setattr(moe, "TC_FO", other if on else fo)))
     if switches:
         print(f"  {'':34s} {('PDL' if pdl else 'no PDL') + f', ci {int(bool(ci))}':>12s} "
               + " ".join(f"{label:>8s}" for _, label, _ in switches))

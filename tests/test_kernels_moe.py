@@ -763,21 +763,36 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
         assert (t.tt_s, t.cs_s) == ((2, False) if 2 < M <= 32 else (by_m.tt_s, by_m.cs_s)), M
     # tensor cores from 16 tokens (the default) and 1.5 tokens an expert (Moonlight: 64 experts, top-6, from 16;
     # Kimi-K2: 384 experts, top-8, from 72), off with KDT_MOE_TC_M=0; 2 token tiles a pass to 96 tokens, then 4;
-    # x hi / lo and short passes fitted (tc_fit), or with KDT_MOE_TC_FIT=0 session 34's: hi / lo at 4 tiles only
-    cases = (("moonlight-16b-a3b", 16, 16, True), ("kimi-k2", 16, 72, True), ("moonlight-16b-a3b", 0, None, True),
-             ("moonlight-16b-a3b", 32, 32, False))
-    for name, tc_min, first, fit in cases:
+    # x hi / lo and short passes fitted (tc_fit), or with KDT_MOE_TC_FIT=0 session 34's: hi / lo at 4 tiles only. A
+    # layer with its experts in fragment order (fo, the routed GEMMs then read it: tc_fo): from 8 tokens and 0.75 an
+    # expert (Moonlight from 8, Kimi-K2 from 36); KDT_MOE_TC_FO=0: as without the copy
+    cases = (("moonlight-16b-a3b", 16, 16, True, False, "auto"), ("kimi-k2", 16, 72, True, False, "auto"),
+             ("moonlight-16b-a3b", 0, None, True, False, "auto"), ("moonlight-16b-a3b", 32, 32, False, False, "auto"),
+             ("moonlight-16b-a3b", 16, 8, True, True, "auto"), ("kimi-k2", 16, 36, True, True, "1"),
+             ("moonlight-16b-a3b", 0, None, True, True, "auto"), ("moonlight-16b-a3b", 16, 16, True, False, "0"))
+    for name, tc_min, first, fit, fo, mode in cases:
         monkeypatch.setattr(moe, "TC_MIN_M", tc_min)
         monkeypatch.setattr(moe, "TC_FIT", fit)
+        monkeypatch.setattr(moe, "TC_FO", mode)
         c = preset(name)
-        for M in (1, 8, 15, 16, 17, 31, 32, 64, 71, 72, 96, 97, 143, 144, 256):
+        for M in (1, 7, 8, 15, 16, 17, 31, 32, 35, 36, 64, 71, 72, 96, 97, 143, 144, 256):
             k = c.num_experts_per_tok
             want = replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M)
             if first is not None and M >= first:  # tensor cores, kernel C one expert a block
-                want = replace(want, tc=2 if M <= 96 else 4, jc=1, tc_hilo=moe.TC_HILO and (fit or M > 96),
-                               tc_split=moe.TC_SPLIT, tc_fit=fit)
-            assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size) == want, (name, M)
-            assert moe.v2_tiles(M, 2, 8, 256).tc == 0  # small models (model_code): the FMA tiles
+                hilo = moe.TC_HILO and (fit or M > 96)
+                want = replace(want, tc=2 if M <= 96 else 4, jc=1, tc_hilo=hilo, tc_split=moe.TC_SPLIT, tc_fit=fit,
+                               tc_fo=hilo and mode != "0")
+            assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size, fo) == want, (name, M, fo)
+            assert moe.v2_tiles(M, 2, 8, 256, fo).tc == 0  # small models (model_code): the FMA tiles
+
+
+def test_fragment_order_kept_where_it_fits():
+    """KDT_MOE_TC_FO=auto keeps a layer's fragment-ordered copy where FO_RESERVE of the device's memory stays free
+    after it (a 2 GiB copy on an 80 GiB H100 and a 141 GiB H200; Moonlight's layer: 1.1 GB)."""
+    gib = 2**30
+    assert moe.fo_fits(2 * gib, 40 * gib, 80 * gib) and not moe.fo_fits(2 * gib, 21 * gib, 80 * gib)
+    assert moe.fo_fits(2 * gib, 2 * gib + int(0.25 * 141 * gib), 141 * gib)
+    assert not moe.fo_fits(2 * gib, 2 * gib + int(0.25 * 141 * gib) - 1, 141 * gib)
 
 
 def test_pack_experts_layout(rng):
@@ -831,10 +846,16 @@ def _moonlight_layer(moonlight, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("M", [1, 16, 64, 128, 256])
+@pytest.mark.parametrize("M", [1, 8, 16, 64, 128, 256])
 def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
+    """The Moonlight layer against float64 in its default tiles. In bf16 it keeps its experts' fragment-ordered copy
+    (KDT_MOE_TC_FO=auto: it fits an H100 or H200), which the routed GEMMs read where they run on tensor cores."""
     cfg, w, cache = moonlight
     layer, ref, scratch = _moonlight_layer(moonlight, dtype)
+    if version == 2 and dtype == BF16 and moe.TC_FO != "0":
+        t = moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size, fo=True)
+        names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False)]
+        assert layer._gu_fo is not None and names[-1].endswith("_fo") == (bool(t.tc) and not t.ab), names
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))
     d_b = cuda.to_device(b)

@@ -1306,9 +1306,24 @@ TILED_MIN_M = int(os.environ.get("KDT_MOE_TILED_M", "0"))
 # natural order takes two 8-byte loads and ~6 register moves. sm_90 SASS of the warp tile's full step (rt 2, nt 4, u
 # 2, x hi / lo): 243 instructions for 32 mma, 196 at raw addresses (``tc.TC_PTR``), 67 in fragment order; kernels B
 # and C are bound by instructions a mma and L2 requests (session 30's Nsight Compute). It doubles the routed experts'
-# device bytes (both orders are kept: the FMA tiles below TC_MIN_M read the natural one). Env KDT_MOE_TC_FO=1; off
-# until timed.
-TC_FO = os.environ.get("KDT_MOE_TC_FO", "0") == "1"
+# device bytes (both orders are kept: the FMA tiles below the tensor cores' first M read the natural one).
+# Measured (H200, session 44's s43a, `scripts/bench_moe.py --presets moonlight-16b-a3b --sweep`, the Moonlight layer in
+# us, natural / fragment order): M = 16 310.2 / 246.9, 65 489.7 / 383.0, 256 1068.4 / 797.7 (PTR on: 501.8 / 394.6,
+# 1018.2 / 794.4); below TC_MIN_M, the FMA tiles / tensor cores in fragment order: M = 1 56.4 / 64.9, 4 141.6 / 136.4,
+# 8 206.8 / 174.4. The budget-64 oracle step in its graphs 16.28 -> 14.15 ms (s43b). So the copy is kept by default
+# where it fits (``fo_fits``: the device keeps FO_RESERVE of its memory free after it; Moonlight's 26 layers: +29 GB),
+# and a layer that has one takes the tensor cores from TC_FO_MIN_M tokens and TC_FO_MIN_LOAD tokens an expert (the
+# lower of these and TC_MIN_M / TC_MIN_LOAD; Moonlight: from 8). Env KDT_MOE_TC_FO: auto (default), 1 (always, where
+# the shapes allow), 0 (never: session 43's kernels).
+TC_FO = os.environ.get("KDT_MOE_TC_FO", "auto")
+FO_RESERVE = 0.25  # the fraction of the device's memory left free after a layer's fragment-ordered copy (auto)
+TC_FO_MIN_M = int(os.environ.get("KDT_MOE_TC_FO_M", "8"))
+TC_FO_MIN_LOAD = float(os.environ.get("KDT_MOE_TC_FO_LOAD", "0.75"))
+
+
+def fo_fits(nbytes: int, free: int, total: int) -> bool:
+    """KDT_MOE_TC_FO=auto's rule: a copy of nbytes fits where FO_RESERVE of the device's total memory stays free."""
+    return free - nbytes >= FO_RESERVE * total
 
 
 @cuda.jit(device=True, inline=True)
@@ -1866,7 +1881,7 @@ _SMALL_D = 1024
 _TILES2_MAX_M = 32
 
 
-def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> V2Tiles:
+def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None, fo: bool = False) -> V2Tiles:
     """Default launch shapes for M tokens (predictions for the H200, see ``VERSION``).
 
     M = 1: one token per expert; 4 rows x 4 words in flight per warp (16 x 8 B per lane; at ~16-20
@@ -1882,10 +1897,10 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     :func:`uses_tc` the GEMMs run on tensor cores (``tc``: :func:`_tc_tiles` token tiles a pass), kernel C one expert
     a block."""
     t = replace(_v2_tiles_by_m(M, top_k), ab=M <= AB_MAX_M)
-    if uses_tc(M, top_k, E, D) and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
+    if uses_tc(M, top_k, E, D, fo) and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
         tiles = _tc_tiles(M)  # jc = 1: a block of kernel C is one expert's pass
         t = replace(t, tc=tiles, jc=1, tc_hilo=TC_HILO and (TC_FIT or tiles == 4), tc_split=TC_SPLIT, tc_fit=TC_FIT)
-        t = replace(t, tiled=t.tc_hilo and 0 < TILED_MIN_M <= M, tc_fo=TC_FO and t.tc_hilo)
+        t = replace(t, tiled=t.tc_hilo and 0 < TILED_MIN_M <= M, tc_fo=TC_FO != "0" and t.tc_hilo)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
@@ -1894,10 +1909,13 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None) -> 
     return t
 
 
-def uses_tc(M: int, top_k: int, E: int | None = None, D: int | None = None) -> bool:
-    """Version 2's expert GEMMs run on tensor cores at M tokens (bf16 weights; E, D None: by M alone). Small
-    models (D <= ``_SMALL_D``, their own tile rules) keep the FMA tiles: tensor cores not timed there."""
-    return 0 < TC_MIN_M <= M and (E is None or M * top_k >= TC_MIN_LOAD * E) and (D is None or D > _SMALL_D)
+def uses_tc(M: int, top_k: int, E: int | None = None, D: int | None = None, fo: bool = False) -> bool:
+    """Version 2's expert GEMMs run on tensor cores at M tokens (bf16 weights; E, D None: by M alone; fo: the layer
+    keeps its experts in fragment order, from TC_FO_MIN_M tokens). Small models (D <= ``_SMALL_D``, their own tile
+    rules) keep the FMA tiles: tensor cores not timed there."""
+    min_m, min_load = (min(TC_MIN_M, TC_FO_MIN_M), min(TC_MIN_LOAD, TC_FO_MIN_LOAD)) if fo else (TC_MIN_M, TC_MIN_LOAD)
+    return (0 < TC_MIN_M and 0 < min_m <= M and (E is None or M * top_k >= min_load * E)
+            and (D is None or D > _SMALL_D))
 
 
 TC2_MAX_M = int(os.environ.get("KDT_MOE_TC2_M", "96"))  # 2 token tiles a tensor-core pass up to this M, then 4
@@ -1966,7 +1984,7 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
     (``V2Tiles.ab``, where the scratch has ``sync``). tee[>= M, D] f32: kernel C also writes the final out
     rows there (see :func:`moe_forward`)."""
     E, k, I, D = L.E, L.top_k, L.I, L.D
-    t = tiles or v2_tiles(M, k, E, D)
+    t = tiles or v2_tiles(M, k, E, D, fo=L._gu_fo is not None and TC_FO != "0")
     if t.ab and S.sync is None:
         t = replace(t, ab=False)
     if t.tc and (L._epw != 4 or t.ab):  # tensor cores take bf16 weights (4 a word); not in kernel AB
@@ -2335,7 +2353,8 @@ class MoEWeights:
         self._sdn = _words(_as3(self.shared_down))[0] if self.shared_down is not None else None
         self._gate = _words(_as3(self.gate_w))[0]
         self._gu_fo = self._dn_fo = None
-        if TC_FO:
+        if TC_FO == "1" or (TC_FO == "auto" and self.D > _SMALL_D and not IS_SIM
+                            and fo_fits(self._gu.nbytes + self._dn.nbytes, *cuda.current_context().get_memory_info())):
             self.fragment_order()
 
     def fragment_order(self, stream=0) -> bool:
@@ -2559,9 +2578,10 @@ def _register() -> None:
               + [replace(v2_tiles(64, 8), tc_hilo=True, tc_st=st) for st in (2, 4)]  # staged loads (tc_st)
               + [replace(v2_tiles(64, 8), tc_ot=2), replace(v2_tiles(64, 8), tc_ot=2, tc_hilo=True, tc_st=3)]  # tc_ot
               + [replace(v2_tiles(M, 8), tc_fit=False) for M in (64, 256)]  # every pass on all tiles (session 34's)
-              + [replace(v2_tiles(M, 8), tc_fo=True) for M in (64, 256)]  # the experts in fragment order (tc_fo)
+              + [replace(v2_tiles(M, 8), tc_fo=False) for M in (16, 64, 256)]  # the natural order (no copy, tc_fo)
+              + [v2_tiles(8, 8, fo=True)]  # the experts in fragment order from TC_FO_MIN_M tokens
               + [replace(_v2_tiles_by_m(M, 8), tc=2, jc=1, tc_hilo=True, tc_split=True, tc_fit=True, tc_fo=True)
-                 for M in (1, 8)]  # ... at the FMA tiles' M (s43a: KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0)
+                 for M in (1,)]  # ... below it (s43a: KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
