@@ -112,7 +112,8 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             ("tc_nofit" if t.tc_fit else "tc_fit", r(t, tc_fit=not t.tc_fit)),  # short passes on fewer token tiles
             # kernel B's routed gate_up on the block-tiled GEMM (kdt.kernels.tc_tiled; x hi / lo), or not
             ("tc_untiled", r(t, tiled=False)) if t.tiled else ("tc_tiled", r(t, tc_hilo=True, tiled=True)),
-            ("tc_nofo", r(t, tc_fo=False)) if t.tc_fo else ("tc_fo", r(t, tc_hilo=True, tc_fo=True))]  # (session 43)
+            ("tc_nofo", r(t, tc_fo=False)) if t.tc_fo else ("tc_fo", r(t, tc_hilo=True, tc_fo=True)),  # (session 43)
+            ("tc_regs128", r(t, tc_regs=128))]  # kernel B capped at 128 registers a thread (4 blocks an SM)
     tcv = r(t, tc=2, jc=1, tc_split=True)  # tensor cores below their first M (bf16; other weights: the FMA tiles)
     tcs = [("tc2", tcv), ("tc2_fit", r(tcv, tc_fit=True)), ("tc2_fit_hilo", r(tcv, tc_fit=True, tc_hilo=True))
            ] if 8 <= M < moe.TC_MIN_M else []

@@ -748,6 +748,17 @@ def test_v2_staged_loads_need_k_multiple_of_8():
             assert [n.endswith("_st2") for n in names] == [False, want, want], (D, I, names)
 
 
+def test_v2_kernel_b_register_cap():
+    """tc_regs caps kernel B's registers on tensor cores (its name says so); the FMA tiles ignore it."""
+    cfg = _cfg(**_V2_GROUPED)
+    layer = moe.MoEWeights.from_hf(cfg, _layer_weights(np.random.default_rng(0), cfg), PREFIX, BF16)
+    scratch = moe.MoEScratch.allocate(cfg, 17)
+    for tiles, want in ((replace(V2_SIM_TILES["tc_hilo"], tc_regs=128), True), (V2_SIM_TILES["tc_hilo"], False),
+                        (replace(moe.v2_tiles(17, cfg.num_experts_per_tok), tc_regs=128), False)):
+        names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, 17, False, tiles)]
+        assert [n.endswith("_r128") for n in names] == [False, want, False], names
+
+
 def test_v2_tiles_down_one_expert_rule(monkeypatch):
     """Kernel C takes one expert per block where its grid then fits _C_ONE_WAVE blocks, kernel A 2-token
     tiles: model_code's MoE (E = 8, D = 256, k = 2) at the DDTree step's M; no Moonlight or Kimi-K2 launch
@@ -879,14 +890,15 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     (32, dict(tc_hilo=True, tc_st=3)), (65, dict(tc_hilo=True, tc_st=4)), (65, dict(tc_hilo=True, tc_st=5)),
     (65, dict(tc_ot=2)), (65, dict(tc_ot=2, tc_rt=4)), (32, dict(tc_ot=2, tc_hilo=True, tc_st=3)),
     (65, dict(tc_fit=False)), (128, dict(tc_fit=False)), (32, dict(tc_fit=False, tc_hilo=False)),
-    (65, dict(tiled=True)), (256, dict(tiled=True))],
+    (65, dict(tiled=True)), (256, dict(tiled=True)), (256, dict(tc_regs=128))],
     ids=lambda p: "-".join(f"{k}{int(v)}" for k, v in p.items()) if isinstance(p, dict) else str(p))
 def test_moe_forward_moonlight_tiles(rng, moonlight, M, tiles):
     """Version 2 at Moonlight's shape, bf16, in tensor-core tiles the default does not take, against float64: the
     routed GEMMs' loads staged through shared memory (tc_st, hi / lo x), kernel B's routed gate_up on 2 output tiles
     a warp (tc_ot; with kernel C's down on 4 row tiles; staged), session 34's full passes (tc_fit off; the default's
     bits, short passes fitted, are then checked against them) with x as it had it (float32 at 2 token tiles), kernel
-    B's routed gate_up on the block-tiled GEMM (tiled: a launch of its own before B)."""
+    B's routed gate_up on the block-tiled GEMM (tiled: a launch of its own before B), kernel B capped at 128 registers
+    (tc_regs: ptxas spills there)."""
     cfg, w, _ = moonlight
     layer, ref, scratch = _moonlight_layer(moonlight, BF16)
     t = replace(moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size), **tiles)
@@ -896,6 +908,7 @@ def test_moe_forward_moonlight_tiles(rng, moonlight, M, tiles):
         names = names[:1] + names[2:]
     assert not t.tc_st or f"_st{t.tc_st}" in names[1] and f"_st{t.tc_st}" in names[2], names  # (kernels B and C)
     assert t.tc_ot == 1 or f"_ot{t.tc_ot}" in names[1], names
+    assert not t.tc_regs or names[1].endswith(f"_r{t.tc_regs}"), names
     assert (t.tc_fit and not t.tc_st) == ("_fit" in names[1]) == ("_fit" in names[2]), names  # (staged: never fit)
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))

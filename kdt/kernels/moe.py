@@ -1538,11 +1538,13 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
 def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
                        sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False,
                        hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_ot: int = 1, tc_fit: bool = False,
-                       tc_fo: bool = False):
-    """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b."""
+                       tc_fo: bool = False, tc_regs: int = 0):
+    """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b;
+    tc_regs: its register cap a thread on tensor cores (0: ptxas's choice, 128 with tc_ot > 1)."""
     tc_kw = _row_groups(nw, tc_kw)[0]
+    regs = (tc_regs or (128 if tc_ot > 1 else 0)) if tc else 0
     key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit,
-           tc_fo)
+           tc_fo, regs)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if tc:
@@ -1560,9 +1562,9 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
                      f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
                      f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
                      f"{f'_st{tc_st}' if tc_st else ''}{f'_ot{tc_ot}' if tc_ot != 1 else ''}{'_fit' if tc_fit else ''}"
-                     f"{'_fo' if tc_fo else ''}")
+                     f"{'_fo' if tc_fo else ''}{f'_r{tc_regs}' if tc and tc_regs else ''}")
     # 2 output tiles a warp: ptxas takes 130 registers (3 blocks an SM), at 128 (4 blocks) it spills 12 bytes
-    k = cuda.jit(kern, max_registers=128) if tc and tc_ot > 1 and not IS_SIM else cuda.jit(kern)
+    k = cuda.jit(kern, max_registers=regs) if regs and not IS_SIM else cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
 
@@ -1834,6 +1836,9 @@ class V2Tiles:
     tiled: kernel B's routed gate_up on the block-tiled GEMM, a launch of its own before B's shared down (with
     tc_hilo; ``TILED_MIN_M``). tc_fo: the routed GEMMs on tensor cores (B's gate_up, C's down) read the layer's
     fragment-ordered copy of the experts (``MoEWeights.fragment_order``, ``TC_FO``); with tc_hilo, not staged.
+    tc_regs: kernel B's register cap a thread on tensor cores (0: ptxas's choice). At 256 tokens (tc = 4) in fragment
+    order ptxas takes 168 (3 blocks of 4 warps an SM); at 128 (4 blocks) it spills 28 bytes. Built, not timed:
+    `scripts/bench_moe.py --sweep`'s tc_regs128.
     """
 
     nw: int = 4
@@ -1863,6 +1868,7 @@ class V2Tiles:
     tc_fit: bool = False
     tiled: bool = False
     tc_fo: bool = False
+    tc_regs: int = 0
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -1974,7 +1980,7 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     fo = bool(tcn) and t.tc_fo and hilo and not st
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
-                               kw, st, t.tc_ot if tcn else 1, fit, fo),
+                               kw, st, t.tc_ot if tcn else 1, fit, fo, t.tc_regs),
             _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, fit, fo))
 
 
