@@ -74,7 +74,7 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
             old.append(("fma", moe.v2_tiles(M, k, E, D)))
         finally:
             moe.TC_MIN_M = saved
-    s43 = moe.v2_tiles(M, k, E, D)  # session 44: the experts in fragment order, on tensor cores from TC_FO_MIN_M
+    s43 = r(moe.v2_tiles(M, k, E, D), tc_fo=False)  # session 44: the experts in fragment order, tensor cores from 8
     if s43 != t and s43.tc:
         old.append(("tc_natural_order", s43))
     by_m = moe._v2_tiles_by_m(M, k)
