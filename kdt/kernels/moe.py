@@ -45,7 +45,8 @@ lane group instead of 4 strided loads per weight word), weights are loaded with 
 hint, and the tiles (``V2Tiles``, chosen by :func:`v2_tiles` from M alone, so CUDA graphs capture it)
 are specialised for 1, <= 8, <= 16 and more tokens. M*k > ``V2_MAX_PAIRS`` runs version 1 (the engine runs
 such forwards as version 2 in chunks, :func:`token_chunks`). Where
-:func:`uses_tc` (from ``TC_MIN_M`` tokens and ``TC_MIN_LOAD`` tokens an expert; bf16 weights) the GEMMs of kernels
+:func:`uses_tc` (from ``TC_MIN_M`` tokens and ``TC_MIN_LOAD`` tokens an expert, from ``TC_FO_MIN_M`` where the layer
+keeps its experts in the tensor cores' fragment order, ``TC_FO``; bf16 weights) the GEMMs of kernels
 A (shared gate_up), B and C run on tensor cores (kdt.kernels.tc; see "tensor cores" below); the router logits
 stay on FMA tiles.
 
@@ -2586,8 +2587,8 @@ def _register() -> None:
               + [replace(v2_tiles(M, 8), tc_fit=False) for M in (64, 256)]  # every pass on all tiles (session 34's)
               + [replace(v2_tiles(M, 8), tc_fo=False) for M in (16, 64, 256)]  # the natural order (no copy, tc_fo)
               + [v2_tiles(8, 8, fo=True)]  # the experts in fragment order from TC_FO_MIN_M tokens
-              + [replace(_v2_tiles_by_m(M, 8), tc=2, jc=1, tc_hilo=True, tc_split=True, tc_fit=True, tc_fo=True)
-                 for M in (1,)]  # ... below it (s43a: KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0)
+              + [replace(_v2_tiles_by_m(1, 8), tc=2, jc=1, tc_hilo=True, tc_split=True, tc_fit=True, tc_fo=True)]
+              # ... below it (s43a: KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
