@@ -4,6 +4,7 @@
                                    [--big-M 512,2048] [--sweep] [--json PATH]
     python scripts/bench_linear.py --fixture fixtures/model_code.h5 [--M 1,16,17,32] [--json PATH]
     python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,256 --tc 64 [--jobs 14]   # tensor cores
+    python scripts/bench_linear.py --presets moonlight-16b-a3b --M 64,65 --tc 65 --plans '2,4,2,8,8;2,3,2,8,8'
     python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,65,256 --tiled   # the block-tiled GEMM
 
 Times each kernel like ``python -m kdt.kernels.bench`` (kdt/kernels/bench.py: launches queued behind
@@ -254,6 +255,8 @@ def main(argv=None) -> int:
                     "processes")
     ap.add_argument("--tc", default=None, metavar="M,..", help="instead: v2 against the tensor-core kernel at "
                     "--M, with a sweep of its plans at these M")
+    ap.add_argument("--plans", default=None, metavar="RT,NT,U,NW,KW;..", help="--tc: sweep these plans instead of "
+                    "TC_PLANS (e.g. the token tiles a block at 65 tokens: '2,4,2,8,8;2,3,2,8,8')")
     ap.add_argument("--tiled", action="store_true", help="instead: the tensor-core warp tile against the block-tiled "
                     "GEMM (kdt.kernels.tc_tiled) at --M")
     args = ap.parse_args(argv)
@@ -271,6 +274,9 @@ def main(argv=None) -> int:
                 json.dump({"tiled": rows}, f, indent=1)
         return 0
     if args.tc is not None:
+        if args.plans:
+            global TC_PLANS
+            TC_PLANS = [tuple(int(v) for v in p.split(",")) for p in args.plans.split(";") if p]
         if args.jobs > 1:
             Ms = [int(m) for m in args.M.split(",") if m]
             default = {lin.tc_plan(M, N) for M in Ms for name in args.presets.split(",") for _, N, _ in shapes(name)}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1674,7 +1674,35 @@ s44c)  # session 44, issue 7: kernel B's register cap (V2Tiles.tc_regs, built, o
   grep -h "v2" "$OUT/moe_regs.log" | cut -c1-160
   tparts 240 regs tests/test_kernels_moe.py -k "test_moe_forward_moonlight_tiles and tc_regs128"
   wait; echo "pytest regs:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_regs.log" | cut -c1-300 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c"; exit 2 ;;
+s45a)  # session 45, issue 7: where the budget-64 oracle step goes now, launch by launch (the fragment order on; L ~ 176;
+  # scripts/profile_graphs.py --launches step: each launch in a graph of its own), then s44c (kernel B's register cap)
+  step profile_b64 ${PROFILE_TIMEOUT:-300} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --drafter oracle \
+    --budget 64 --launches step --json "$OUT/profile-graphs-$day-moonlight-b64-launches-s45a.json"
+  grep -h "==\|step\|forward\|empty\|build\|phase\|launches\|Error\|error" "$OUT/profile_b64.log" | cut -c1-150 | tail -n 30
+  bash "$0" s44c ;;  # (the nested call packs the logs: this call's logs are in its logs.tgz)
+s46a)  # session 46, issue 7: the tensor-core GEMMs' token tiles fitted to M (kdt.kernels.tc.token_tiles: 65 tokens in
+  # blocks of 3 tiles, not 4): Moonlight's projections at 64 / 65 tokens, 4 vs 3 tiles a block (bench_linear --plans),
+  # the budget-64 oracle step's programs with the fit on and off (profile_graphs --tiles-ab), then the gpu tests of
+  # linear_tc, uv_project / the absorb on tensor cores and the engine's invariant
+  step linear_tiles ${LINEAR_TIMEOUT:-200} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 64,65 \
+    --tc 65 --plans '2,4,2,8,8;2,3,2,8,8;2,4,2,4,4;2,3,2,4,4' --jobs 8 --json "$OUT/linear-tiles-$day-moonlight-s46a.json"
+  grep -h "shape\|N=" "$OUT/linear_tiles.log" | cut -c1-160
+  tparts 300 tiles tests/test_kernels_linear.py tests/test_kernels_mla.py \
+    -k "test_linear_tc_gpu or test_linear_norm_tc_gpu or (uv_project_gpu and 65) or absorb_tc_gpu"
+  step profile_tiles ${PROFILE_TIMEOUT:-330} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
+    --drafter oracle --budget 64 --launches none --tiles-ab --json "$OUT/profile-graphs-$day-moonlight-b64-tiles-s46a.json"
+  grep -h "==\|step\|forward\|empty\|build\|fit\|Error\|error" "$OUT/profile_tiles.log" | cut -c1-150 | tail -n 20
+  wait; echo "pytest tiles:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_tiles.log" | cut -c1-300 ;;
+s46b)  # session 46, issue 7: the final code: kdt bench on the Moonlight shape, then its gpu tests (the Moonlight MoE layer,
+  # the engine's invariant) beside kdt verify (tiny fp32, model_code bf16): s44a under this session's name
+  step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s46b.json" \
+    && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160
+  tparts 240 moe tests/test_kernels_moe.py tests/test_kernels_tc.py \
+    -k "(test_moe_forward_moonlight and bf16-2) or fragment_order_gpu or moonlight_tc"
+  tparts 240 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
+  verify_beside_tparts 150 1 moe engine ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -21,6 +21,9 @@ with q_absorb's absorb on its FMA kernel where it runs on tensor cores (kdt.kern
 ``--moe-fo-ab``: every MoE layer keeps its experts' fragment-ordered copy (kdt.kernels.moe.MoEWeights.fragment_order),
 and each whole program is also timed with kdt.kernels.moe.TC_FO switched: where it is on (the default) with the
 natural order and the tensor cores from TC_MIN_M tokens (session 43's kernels), where it is off with the copy.
+``--tiles-ab``: also with the tensor-core GEMMs' token tiles a block switched (kdt.kernels.tc.TILES_FIT: off, up to
+4 tiles a block past 32 tokens, or on, 3 where they pad less: 65 tokens in blocks of 24). A switched program's
+kernels first run once outside a graph (they compile there, not while a graph is captured).
 
 Replays would change the state: each step commits tokens, so L would grow by thousands over the replays and
 the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
@@ -52,7 +55,7 @@ from kdt.engine import load_target  # noqa: E402
 from kdt.engine.cuda_model import ForwardGraphs  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
 from kdt.kernels import ddtree as kd  # noqa: E402
-from kdt.kernels import mla, moe  # noqa: E402
+from kdt.kernels import mla, moe, tc  # noqa: E402
 from kdt.kernels.common import pdl_launches, set_pdl_launch  # noqa: E402
 from kdt.reference.decode import generate  # noqa: E402
 
@@ -187,6 +190,9 @@ def main() -> int:
                     help="also time each whole program with the MoE's routed GEMMs on the experts in fragment order "
                     "or, where the default already does, in the natural order (kdt.kernels.moe.TC_FO switched; each "
                     "layer keeps both orders)")
+    ap.add_argument("--tiles-ab", action="store_true",
+                    help="also time each whole program with the tensor-core GEMMs' token tiles a block switched "
+                    "(kdt.kernels.tc.TILES_FIT)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -259,6 +265,15 @@ def main() -> int:
         fo, other = moe.TC_FO, "0" if moe.TC_FO != "0" else "1"
         switches.append((f"programs_us_moe_fo_{other}", f"fo {other}",
                          lambda on: setattr(moe, "TC_FO", other if on else fo)))
+    if args.tiles_ab:
+        fit = tc.TILES_FIT
+        switches.append((f"programs_us_tiles_fit_{int(not fit)}", f"fit {int(not fit)}",
+                         lambda on: setattr(tc, "TILES_FIT", (not fit) if on else fit)))
+        switches[-1][2](True)  # its kernels compile outside a capture
+        for fn in whole.values():
+            fn(0)
+        cuda.synchronize()
+        switches[-1][2](False)
     if switches:
         print(f"  {'':34s} {('PDL' if pdl else 'no PDL') + f', ci {int(bool(ci))}':>12s} "
               + " ".join(f"{label:>8s}" for _, label, _ in switches))

@@ -378,7 +378,7 @@ def test_linear_v2_split_deterministic_and_scratch_reused(rng):
 @pytest.mark.kernels
 @pytest.mark.parametrize("M,N,K,accumulate,plan", [
     (17, 37, 72, False, None),  # the default plan: 3 token tiles, 8 warps over 5 groups of K (some past it)
-    (40, 50, 136, True, None),  # 4 token tiles and a second token block, accumulate
+    (40, 50, 136, True, None),  # 2 blocks of 3 token tiles (tc.token_tiles: 48 tokens computed, not 64), accumulate
     (16, 37, 40, True, (1, 1, 1, 3, 3)),  # one row tile, one token tile a block, 3 warps
     (16, 70, 40, False, (1, 1, 1, 4, 2)),  # 2 row groups of 2 warps splitting K, the last block partly past N
 ])

@@ -690,7 +690,7 @@ def test_kv_latent_write_gpu(rng, L, M):
 @pytest.mark.gpu
 @pytest.mark.kernels
 @pytest.mark.parametrize("H", [16, 64])
-@pytest.mark.parametrize("M", [1, 2, 16, 256])
+@pytest.mark.parametrize("M", [1, 2, 16, 65, 256])  # (65: a budget-64 verify; bf16 v2 takes blocks of 3 token tiles)
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
 @pytest.mark.parametrize("version", [1, 2])
 def test_q_absorb_uv_project_gpu(rng, H, M, wdtype, version):
@@ -721,11 +721,11 @@ def code_cfg(**kw):
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("M", [3, 9])
+@pytest.mark.parametrize("M", [3, 9, 65])
 def test_uv_project_tc(rng, monkeypatch, M):
     """W_uv on tensor cores (kdt.kernels.tc.gemm_kernel a head, uv_uses_tc), against float64 on the rounded weights: 3
     heads, dv = 20 (the block's second row tile partly past dv), Rkv = 24 (6 weight words: the last two of the 4 warps
-    splitting them have none), 8-token tiles (the second partial at M = 9)."""
+    splitting them have none), 8-token tiles (the second partial at M = 9; 65: blocks of 3 tiles, the last partial)."""
     monkeypatch.setattr(mla, "UV_TC_MIN_M", 1)
     monkeypatch.setattr(mla, "UV_ROW_PER_WARP_ELEMS", 0)
     cfg = micro_cfg(num_attention_heads=3, kv_lora_rank=24, v_head_dim=20)

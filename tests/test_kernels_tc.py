@@ -98,6 +98,22 @@ def test_tc_gemm_gpu(rng, M, N, K, rt, nt, u, nw, xl, kw, st):
     assert err < BOUND, f"rel_err {err:.3g}"
 
 
+def test_token_tiles(monkeypatch):
+    """Blocks of token tiles that pad M least: 65 tokens (a budget-64 verify) in blocks of 3 tiles (72 computed), not 4
+    (96); all tiles where they fit; ties to the most tiles; never fewer than just over half of ``most``; the plans of
+    linear_tc, uv_project and the absorb on it; KDT_TC_TILES_FIT=0 gives ``most``."""
+    from kdt.kernels import linear as lin
+    from kdt.kernels import mla
+
+    cases = {(1, 4): 1, (17, 4): 3, (32, 4): 4, (64, 4): 4, (65, 4): 3, (96, 4): 4, (100, 4): 3, (129, 4): 3,
+             (256, 4): 4, (65, 2): 2, (65, 8): 5, (300, 8): 8}  # (65, 8): 9 tiles, 5 x 2 = 10 beats 8 x 2 = 16
+    assert {k: tc.token_tiles(*k) for k in cases} == cases
+    assert lin.tc_plan(65, 3648)[1] == mla._uv_tc_plan(65)[1] == mla._absorb_tc_plan(65)[1] == 3
+    assert lin.tc_plan(64, 3648)[1] == 4 and mla._uv_tc_plan(64)[1] == 2
+    monkeypatch.setattr(tc, "TILES_FIT", False)
+    assert tc.token_tiles(65, 4) == 4 and tc.token_tiles(17, 4) == 3
+
+
 FO_SIM_CASES = [  # M, N, K, rt, nt, u, nw, kw: x hi / lo, N % 16 == 0, K % 16 == 0
     (9, 32, 64, 2, 2, 2, 2, 0),  # 2 x 2 tiles, 2 warps splitting K, one full step each
     (11, 48, 80, 1, 2, 3, 1, 0),  # one warp: a full step of 3 groups, then 2 masked ones; 3 blocks of rows

@@ -809,9 +809,10 @@ def tc_plan(M: int, N: int) -> tuple[int, int, int, int, int]:
     """(rt, nt, u, nw, kw) of :func:`linear_tc`: 2 row tiles of 16 a warp, up to 4 token tiles of 8 a block (tokens
     beyond 32 take more blocks, neighbours in the grid that share the row tile's weights through L2), 4 weight
     words of 8 bytes in flight a lane and row, 8 warps splitting K where N is small (more warps in flight), all of
-    a block's warps on the same rows (kw = nw)."""
+    a block's warps on the same rows (kw = nw); past 32 tokens blocks of 3 token tiles where they pad M less
+    (:func:`kdt.kernels.tc.token_tiles`: 65 tokens in 3 blocks of 24, not 32)."""
     nw = 8 if N <= 4096 else 4
-    return 2, min(4, cdiv(M, 8)), 4 if M <= 32 else 2, nw, nw
+    return 2, tc.token_tiles(M, 4), 4 if M <= 32 else 2, nw, nw
 
 
 def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int, int, int, int] | None = None) -> None:
@@ -1029,7 +1030,7 @@ def _register() -> None:
         register_ptx(_v2_kernel(kind, TM, NR, U, warps, glu=True), V2_SIG(_KINDS[kind][2]),
                      name=f"linear_v2_glu_{kind}_{TM}x{NR}_u{U}_w{warps}")
     # the tensor-core plans of tc_plan (kdt.kernels.tc registers the gemm's test plans)
-    for rt, nt, u, nw, kw in sorted({tc_plan(M, N) for M in (16, 24, 64) for N in (576, 163840)}):
+    for rt, nt, u, nw, kw in sorted({tc_plan(M, N) for M in (16, 24, 64, 65) for N in (576, 163840)}):
         for xl, xt in ((tc.XL_NATURAL, x2), (tc.XL_HILO, uint64[:, ::1])):
             register_ptx(tc.gemm_kernel(rt, nt, u, nw, xl, kw), (xt, uint64[:, :, ::1], int64, x2, boolean))
 

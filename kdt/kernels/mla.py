@@ -1719,7 +1719,7 @@ def _absorb_tc_plan(M: int) -> tuple[int, int, int, int, int]:
     one step), past it in 4 (128 columns, each warp all of dn); token tiles as uv_project's (:func:`_uv_tc_plan`).
     Measured (H100, s42a, the GEMM alone in us, all 4 warps splitting dn / row groups of 1 / of 2): 12.5 / 13.1 /
     **11.0** at 65 tokens, 25.6 / **23.0** / 23.3 at 256, 178.2 / **138.2** / 149.8 at 2048."""
-    return 2, 1 if M <= 16 else 2 if M <= 64 else 4, 4, 4, 2 if M <= 128 else 1
+    return 2, _uv_tc_plan(M)[1], 4, 4, 2 if M <= 128 else 1
 
 
 def _absorb_tc(tc_abs, q_abs, stream=0, plan: tuple | None = None) -> None:
@@ -1775,9 +1775,9 @@ UV_TC_MIN_M = int(os.environ.get("KDT_MLA_UV_TC_M", "16"))
 
 def _uv_tc_plan(M: int) -> tuple[int, int, int, int]:
     """(rt, nt, u, nw) of uv_project on tensor cores: 32 outputs of a head a block, up to 4 token tiles of 8 (one to
-    16 tokens, two to 64: at Moonlight's M = 64, 4 x 4 x 16 = 256 blocks), 4 words in flight, 4 warps splitting
-    Rkv."""
-    return 2, 1 if M <= 16 else 2 if M <= 64 else 4, 4, 4
+    16 tokens, two to 64: at Moonlight's M = 64, 4 x 4 x 16 = 256 blocks; past 64 three where they pad M less,
+    :func:`kdt.kernels.tc.token_tiles`), 4 words in flight, 4 warps splitting Rkv."""
+    return 2, 1 if M <= 16 else 2 if M <= 64 else tc.token_tiles(M, 4), 4, 4
 
 
 def uv_uses_tc(M: int, kv_b, H: int, dv: int) -> bool:
@@ -1841,9 +1841,9 @@ def _register() -> None:
                               f32_2, *hl_t), name=f"q_absorb2_kernel[{wdt},TM={TM},kv{tag}]")
         register_ptx(_uv_project_kernel(wdt, Rkv, 32, 8, 1, 1), (f32_3, w2, f32_2),
                      name=f"uv_project_kernel[{wdt},RPW=1]")
-    for M in (16, 64, 256):  # on tensor cores (uv_uses_tc)
+    for M in (16, 64, 65, 256):  # on tensor cores (uv_uses_tc)
         register_ptx(tc.gemm_kernel(*_uv_tc_plan(M), heads=True), (f32_2, uint64[:, :, ::1], int64, f32_2, boolean))
-    for M in (64, 128, 256):  # the absorb's (absorb_uses_tc)
+    for M in (64, 65, 128, 256):  # the absorb's (absorb_uses_tc)
         rt, nt, u, nw, kw = _absorb_tc_plan(M)
         register_ptx(tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO, kw, heads=True),
                      (uint64[:, ::1], uint64[:, :, ::1], int64, f32_2, boolean))

@@ -863,6 +863,24 @@ def acc_col(i, nt, t):
     return 8 * ((i // 4) % nt) + 2 * t + (i & 1)
 
 
+TILES_FIT = os.environ.get("KDT_TC_TILES_FIT", "1") != "0"  # token_tiles' fit (A/B)
+
+
+def token_tiles(M: int, most: int) -> int:
+    """Token tiles of 8 a block of :func:`gemm_kernel` for M tokens, at most ``most``: all of M's where they fit,
+    else the count from ``most`` down to just over half of it that computes the fewest padded tokens (ties: the
+    most tiles, the fewest blocks; fewer tiles a block re-read the weights more). 65 tokens (a budget-64 DDTree
+    verify) at most 4: blocks of 3 tiles, 72 tokens computed, not blocks of 4 with 31 of the third's 32 idle (96):
+    the warp tile's time goes with the tokens it computes (session 39: [q_a | kv_a] 21.1 us at 64 tokens, 32.1 at
+    65). Env KDT_TC_TILES_FIT=0: ``most`` past them (session 45's plans)."""
+    tiles = -(-M // 8)
+    if tiles <= most:
+        return max(tiles, 1)
+    if not TILES_FIT:
+        return most
+    return min(range(most, most // 2, -1), key=lambda nt: -(-tiles // nt) * nt)
+
+
 def row_groups(nw: int, kw: int) -> tuple[int, int, int]:
     """(kw, KW, groups) of a block of nw warps in row groups of kw warps splitting K: kw as a cache key (0 for one
     group: kw = 0 and kw = nw are the same plan), the warps a group KW and the nw / KW groups."""
