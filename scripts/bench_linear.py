@@ -6,6 +6,7 @@
     python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,256 --tc 64 [--jobs 14]   # tensor cores
     python scripts/bench_linear.py --presets moonlight-16b-a3b --M 64,65 --tc 65 --plans '2,4,2,8,8;2,3,2,8,8'
     python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,65,256 --tiled   # the block-tiled GEMM
+    python scripts/bench_linear.py --presets moonlight-16b-a3b --M 65 --tiled --layers lm_head --tiled-plans '4,2,2,5,6'
 
 Times each kernel like ``python -m kdt.kernels.bench`` (kdt/kernels/bench.py: launches queued behind
 a spin kernel, CUDA events around the batch; weights rotated over >= 128 MB of copies so each launch
@@ -172,7 +173,7 @@ def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int]) -> list[dic
                 a = y1.copy_to_host().astype(np.float64)
                 diff = max(float(np.linalg.norm(a - y.copy_to_host()) / max(np.linalg.norm(a), 1e-30))
                            for y in (y2, y3))
-                plan = lin.tc_plan(M, N)
+                plan = lin.tc_plan(M, N, K)
                 res, res_h = {plan: us2}, {plan: us3}
                 if M in sweep_Ms:
                     for p in TC_PLANS:
@@ -205,9 +206,11 @@ def _compile_tiled(job) -> tuple:
     return job
 
 
-def bench_tiled(presets: list[str], Ms: list[int]) -> list[dict]:
+def bench_tiled(presets: list[str], Ms: list[int], plans=(), layers=None) -> list[dict]:
     """The tensor-core warp tile (``linear_tc``'s plan ``tc_plan``) against the block-tiled GEMM (kdt.kernels.tc_tiled,
-    its default plan) per shape and M, each on float32 x and on hi / lo x; their outputs' relative difference."""
+    its default plan) per shape and M, each on float32 x and on hi / lo x; their outputs' relative difference;
+    ``plans`` (wn, wm, rt, tt, st): the tiled GEMM on hi / lo x with each of these too (``sweep_hilo``); ``layers``:
+    these layers only."""
     from kdt.kernels import tc_tiled
 
     bw = copy_bandwidth()
@@ -217,14 +220,14 @@ def bench_tiled(presets: list[str], Ms: list[int]) -> list[dict]:
           f"{'bytes us':>8s} {'tiled TF/s':>10s} {'plan':>18s} {'rel diff':>9s}")
     for name in presets:
         for layer, N, K in shapes(name):
-            if K % tc_tiled.BK:
+            if K % tc_tiled.BK or (layers and layer not in layers):
                 continue
             Ws = [rand((N, K), np.uint16, 1 / np.sqrt(K)) for _ in range(min(16, cdiv(128 << 20, N * K * 2)))]
             for M in Ms:
                 x = rand((M, K))
                 xh = cuda.to_device(tc.hilo_np(x.copy_to_host()))
                 ys = [cuda.device_array((M, N), np.float32) for _ in range(4)]
-                warp = lin.tc_plan(M, N)  # the warp tile's plan (linear_tc's default takes the tiled GEMM from
+                warp = lin.tc_plan(M, N, K)  # the warp tile's plan (linear_tc's default takes the tiled GEMM from
                 # linear.TILED_MIN_M tokens on TILED_MIN_N rows)
                 fns = [rotating(lin.linear_tc, Ws, x, ys[0], plan=warp), rotating(tc_tiled.tiled_gemm, Ws, x, ys[1]),
                        rotating(lin.linear_tc, Ws, xh, ys[2], plan=warp), rotating(tc_tiled.tiled_gemm, Ws, xh, ys[3])]
@@ -236,10 +239,17 @@ def bench_tiled(presets: list[str], Ms: list[int]) -> list[dict]:
                 floor_us = N * K * 2 / bw * 1e6
                 row = dict(preset=name, layer=layer, M=M, N=N, K=K, us_tc=us[0], us_tiled=us[1], us_tc_hilo=us[2],
                            us_tiled_hilo=us[3], bytes_us=floor_us, plan=tc_tiled.plan(M), rel_diff=diff,
-                           TFLOPps_tiled=2 * M * N * K / min(us[1], us[3]) * 1e-6)
+                           TFLOPps_tiled=2 * M * N * K / min(us[1], us[3]) * 1e-6, sweep_hilo={})
                 rows.append(row)
                 print(f"{layer + f' N={N} K={K}':34s} {M:5d} {us[0]:9.1f} {us[1]:9.1f} {us[2]:9.1f} {us[3]:10.1f} "
                       f"{floor_us:8.1f} {row['TFLOPps_tiled']:10.1f} {str(row['plan']):>18s} {diff:9.1e}", flush=True)
+                for p in plans:  # each plan's output against the warp tile's too (a plan that drops a tile fails)
+                    f = rotating(tc_tiled.tiled_gemm, Ws, xh, ys[3], plan_=p)
+                    ys[3].copy_to_device(np.full((M, N), np.nan, np.float32))  # poisoned
+                    f(0)
+                    d = float(np.linalg.norm(a - ys[3].copy_to_host()) / max(np.linalg.norm(a), 1e-30))
+                    row["sweep_hilo"][",".join(map(str, p))] = u = timed(f, estimate_us(f))
+                    print(f"{'':34s} {M:5d} tiled hilo plan {str(p):>18s} {u:9.1f} us  rel diff {d:9.1e}", flush=True)
     return rows
 
 
@@ -259,16 +269,21 @@ def main(argv=None) -> int:
                     "TC_PLANS (e.g. the token tiles a block at 65 tokens: '2,4,2,8,8;2,3,2,8,8')")
     ap.add_argument("--tiled", action="store_true", help="instead: the tensor-core warp tile against the block-tiled "
                     "GEMM (kdt.kernels.tc_tiled) at --M")
+    ap.add_argument("--tiled-plans", default="", metavar="WN,WM,RT,TT,ST;..", help="--tiled: also time the tiled GEMM "
+                    "(hi / lo x) with each of these plans")
+    ap.add_argument("--layers", default="", metavar="NAME,..", help="--tiled: these layers only (e.g. lm_head)")
     args = ap.parse_args(argv)
     if args.tiled:
+        tplans = [tuple(int(v) for v in p.split(",")) for p in args.tiled_plans.split(";") if p]
         if args.jobs > 1:  # the plans at --M and the gpu tests' 37 / 100 tokens, both x layouts (float32 x at 8
             # token tiles alone compiles for ~2 min)
             from kdt.kernels import tc_tiled
 
             Ms = {int(m) for m in args.M.split(",") if m} | {37, 100}
-            precompile(_compile_tiled, sorted({(tc_tiled.plan(M), hilo) for M in Ms for hilo in (True, False)}),
-                       args.jobs, "tiled GEMM plans")
-        rows = bench_tiled(args.presets.split(","), [int(m) for m in args.M.split(",") if m])
+            precompile(_compile_tiled, sorted({(tc_tiled.plan(M), hilo) for M in Ms for hilo in (True, False)}
+                                              | {(p, True) for p in tplans}), args.jobs, "tiled GEMM plans")
+        rows = bench_tiled(args.presets.split(","), [int(m) for m in args.M.split(",") if m], tplans,
+                           {name for name in args.layers.split(",") if name})
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"tiled": rows}, f, indent=1)
@@ -279,7 +294,7 @@ def main(argv=None) -> int:
             TC_PLANS = [tuple(int(v) for v in p.split(",")) for p in args.plans.split(";") if p]
         if args.jobs > 1:
             Ms = [int(m) for m in args.M.split(",") if m]
-            default = {lin.tc_plan(M, N) for M in Ms for name in args.presets.split(",") for _, N, _ in shapes(name)}
+            default = {lin.tc_plan(M, N, K) for M in Ms for name in args.presets.split(",") for _, N, K in shapes(name)}
             precompile(_compile_plan, sorted(default | (set(TC_PLANS) if args.tc else set())), args.jobs,
                        "tensor-core plans")
         rows = bench_tc(args.presets.split(","), [int(m) for m in args.M.split(",") if m],

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1710,8 +1710,43 @@ s47a)  # next session, issue 7: the warps a block of linear_tc (kdt.kernels.line
   # down slower; both at 64 and 65, with 4 and 3 token tiles
   step linear_warps ${LINEAR_TIMEOUT:-240} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 64,65 \
     --tc 64,65 --plans '2,4,2,8,8;2,4,2,4,4;2,3,2,8,8;2,3,2,4,4' --jobs 8 --json "$OUT/linear-warps-$day-moonlight-s47a.json"
-  grep -h "shape\|N=" "$OUT/linear_warps.log" | cut -c1-160 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a"; exit 2 ;;
+  grep -h "shape\|N=" "$OUT/linear_warps.log" | cut -c1-160
+  # the tiled lm_head (163840 x 2048, kdt.kernels.tc_tiled: 1 block of 8 warps an SM at ~236 registers) at 64 / 65
+  # tokens with more stages in flight (3 -> 4 / 6 / 8) and 4-warp / 256-row blocks
+  step lmhead_stages ${LINEAR_TIMEOUT:-240} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 64,65 \
+    --tiled --layers lm_head --tiled-plans '4,2,2,5,4;4,2,2,5,6;4,2,2,5,8;4,1,2,9,3;4,1,2,9,6;8,1,2,9,4;4,2,2,4,6' \
+    --jobs 8 --json "$OUT/lmhead-stages-$day-moonlight-s47a.json"
+  grep -h "shape\|N=\|plan" "$OUT/lmhead_stages.log" | cut -c1-160 ;;
+s47b)  # session 47, issue 7: linear_tc's 4 warps past TC_WIDE_BLOCKS blocks (qkv_a at 65 tokens), the tiled GEMM's
+  # wide plan (8 warps on 256 rows, 4 stages, up to 72 tokens: the lm_head at 65) and uv_project writing o as hi / lo
+  # for o_proj (kdt.engine.cuda_model.O_HILO), all defaults now: the projections
+  # at 128 / 256 tokens with 8 and 4 warps, the tiled lm_head's plans at 65 / 128 / 256, the budget-64 oracle step
+  # with each switched off (profile_graphs --ab), the gpu tests of linear_tc and the tiled GEMM beside it
+  step linear_wide ${LINEAR_TIMEOUT:-150} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 128,256 \
+    --tc 128,256 --plans '2,4,2,8,8;2,4,2,4,4' --jobs 8 --json "$OUT/linear-wide-$day-moonlight-s47b.json"
+  grep -h "shape\|N=" "$OUT/linear_wide.log" | cut -c1-160
+  step lmhead_wide ${LINEAR_TIMEOUT:-150} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 65,128,256 \
+    --tiled --layers lm_head --tiled-plans '8,1,2,9,3;8,1,2,9,6;8,1,1,9,4;8,1,2,8,4;4,2,2,8,4' --jobs 8 \
+    --json "$OUT/lmhead-wide-$day-moonlight-s47b.json"
+  grep -h "shape\|N=\|plan" "$OUT/lmhead_wide.log" | cut -c1-160
+  tparts 300 wide tests/test_kernels_linear.py tests/test_kernels_tc.py tests/test_kernels_mla.py \
+    -k "test_linear_tc_gpu or test_linear_norm_tc_gpu or tc_tiled_gemm_gpu or (q_absorb_uv_project_gpu and bf16 and 65)"
+  step profile_wide ${PROFILE_TIMEOUT:-300} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
+    --drafter oracle --budget 64 --launches none --ab kdt.kernels.linear.TC_WIDE_BLOCKS=0 \
+    --ab kdt.kernels.tc_tiled.WIDE_MAX_M=0 --ab kdt.engine.cuda_model.O_HILO=0 \
+    --json "$OUT/profile-graphs-$day-moonlight-b64-wide-s47b.json"
+  grep -h "==\|step\|forward\|empty\|build\|WIDE\|Error\|error" "$OUT/profile_wide.log" | cut -c1-150 | tail -n 20
+  wait; echo "pytest wide:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_wide.log" | cut -c1-300 ;;
+s47c)  # session 47, issue 7: the final code: s46b (kdt bench on the Moonlight shape, the MoE / engine gpu tests, kdt
+  # verify) under this session's name
+  step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s47c.json" \
+    && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160
+  tparts 240 moe tests/test_kernels_moe.py tests/test_kernels_tc.py \
+    -k "(test_moe_forward_moonlight and bf16-2) or fragment_order_gpu or moonlight_tc"
+  tparts 240 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
+  verify_beside_tparts 150 1 moe engine ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -22,8 +22,10 @@ with q_absorb's absorb on its FMA kernel where it runs on tensor cores (kdt.kern
 and each whole program is also timed with kdt.kernels.moe.TC_FO switched: where it is on (the default) with the
 natural order and the tensor cores from TC_MIN_M tokens (session 43's kernels), where it is off with the copy.
 ``--tiles-ab``: also with the tensor-core GEMMs' token tiles a block switched (kdt.kernels.tc.TILES_FIT: off, up to
-4 tiles a block past 32 tokens, or on, 3 where they pad less: 65 tokens in blocks of 24). A switched program's
-kernels first run once outside a graph (they compile there, not while a graph is captured).
+4 tiles a block past 32 tokens, or on, 3 where they pad less: 65 tokens in blocks of 24). ``--ab
+kdt.kernels.linear.TC_WIDE_BLOCKS=0`` (repeatable): also with that module constant set to that value (an int, or
+text). A switched program's kernels first run once outside a graph (they compile there, not while a graph is
+captured).
 
 Replays would change the state: each step commits tokens, so L would grow by thousands over the replays and
 the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
@@ -36,6 +38,7 @@ and taken off. The tokens decoded are garbage after the first replay, which does
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -193,6 +196,8 @@ def main() -> int:
     ap.add_argument("--tiles-ab", action="store_true",
                     help="also time each whole program with the tensor-core GEMMs' token tiles a block switched "
                     "(kdt.kernels.tc.TILES_FIT)")
+    ap.add_argument("--ab", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="also time each whole program with this module constant set (repeatable: a column each)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -274,9 +279,22 @@ def main() -> int:
             fn(0)
         cuda.synchronize()
         switches[-1][2](False)
+    for spec in args.ab:
+        name, _, value = spec.partition("=")
+        mod, _, attr = name.rpartition(".")
+        module = importlib.import_module(mod)
+        old = getattr(module, attr)
+        new = int(value) if value.lstrip("-").isdigit() else value
+        switches.append((f"programs_us_{attr}_{value}", f"{attr[:12]}={value}"[:16],
+                         lambda on, m=module, a=attr, n=new, o=old: setattr(m, a, n if on else o)))
+        switches[-1][2](True)  # its kernels compile outside a capture
+        for fn in whole.values():
+            fn(0)
+        cuda.synchronize()
+        switches[-1][2](False)
     if switches:
         print(f"  {'':34s} {('PDL' if pdl else 'no PDL') + f', ci {int(bool(ci))}':>12s} "
-              + " ".join(f"{label:>8s}" for _, label, _ in switches))
+              + " ".join(f"{label:>{max(8, len(label))}s}" for _, label, _ in switches))
     for col, _, _ in switches:  # (not `key`: the step's lambda above reads that name when it runs)
         out[col] = {}
     for name, fn in whole.items():
@@ -287,7 +305,8 @@ def main() -> int:
             switch(True)
             cols.append(out[col].setdefault(name, round(graph_us(fn), 2)))
             switch(False)
-        print(f"  {name:34s} {us:12.2f} " + " ".join(f"{c:8.2f}" for c in cols) + " us")
+        widths = [max(8, len(label)) for _, label, _ in switches]
+        print(f"  {name:34s} {us:12.2f} " + " ".join(f"{c:{w}.2f}" for c, w in zip(cols, widths, strict=True)) + " us")
     out["pdl"] = pdl
     out["combine_in_max_m"] = ci
     floor = out["programs_us"][f"empty kernel x{args.reps}"] / args.reps

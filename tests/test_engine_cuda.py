@@ -133,6 +133,42 @@ def test_forward_absorb_on_tensor_cores_matches_reference(monkeypatch, rng):
 
 
 @sim_only
+def test_forward_o_hilo_keeps_the_bits(monkeypatch, rng):
+    """uv_project writing o in the hi / lo layout for o_proj's tensor cores (kdt.engine.cuda_model.O_HILO; on by force
+    at MICRO's size: uv_project and o_proj on tensor cores from one token): the hi / lo path taken, the logits of a
+    prefill and a tree verify the same bits as with float32 o, and the reference's to the bound (bf16 weights)."""
+    from kdt.engine import cuda_model as cmod
+    from kdt.kernels import linear as lin
+    from kdt.kernels import mla
+
+    monkeypatch.setattr(mla, "UV_TC_MIN_M", 1)
+    monkeypatch.setattr(mla, "UV_ROW_PER_WARP_ELEMS", 0)
+    monkeypatch.setattr(lin, "TC_MIN_M", 1)
+    monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)
+    seen = []
+    run = mla.uv_project
+    monkeypatch.setattr(mla, "uv_project", lambda o_lat, kv_b, o, **k: seen.append(o.dtype) or run(o_lat, kv_b, o, **k))
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    P = 5
+    prompt = rng.integers(0, MICRO.vocab_size, P)
+    vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(cmod, "O_HILO", on)
+        cm = cuda_model(MICRO, w, "bf16")
+        outs[on] = [np.array(cm.forward(prompt, np.arange(P), 0, causal_block(P))),
+                    np.array(cm.forward(toks, pos, P, vis))]
+        assert set(seen) == {np.dtype(np.uint64) if on else np.dtype(np.float32)}, on
+        seen.clear()
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert np.array_equal(a, b)
+    ref = RefModel(MICRO, w, max_len=40)
+    assert rel_err(outs[True][0], ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
+    assert rel_err(outs[True][1], ref.forward(toks, pos, P, vis)) < 1e-5
+
+
+@sim_only
 def test_pre_split_cache_follows_the_latent_caches(monkeypatch, rng):
     """The pre-split latent cache kv_hl [n_layers, max_len, Rkv + dr] (on by force: MICRO's kv_lora_rank 16 is
     below the tensor-core attention's shapes, kdt.engine.cuda_model.uses_kv_hl) after a prefill, a tree verify and

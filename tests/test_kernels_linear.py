@@ -436,9 +436,11 @@ def test_linear_norm_tc_sim(rng, monkeypatch, hilo, M, N, K, accumulate):
 
 @pytest.mark.kernels
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(64, 163840, 2048), (16, 3648, 2048), (33, 1000, 1004)])
+@pytest.mark.parametrize("M,N,K", [(64, 163840, 2048), (65, 163840, 2048), (16, 3648, 2048), (65, 3648, 2048),
+                                   (33, 1000, 1004)])
 def test_linear_norm_tc_gpu(rng, monkeypatch, M, N, K):
-    """The hi / lo norm and the tensor cores at the lm_head (M = 64), [q_a | kv_a] (M = 16) and a ragged shape."""
+    """The hi / lo norm and the tensor cores at the lm_head (M = 64; 65: the tiled GEMM's wide plan), [q_a | kv_a]
+    (M = 16; 65: 4 warps a block) and a ragged shape."""
     monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)  # the ragged one's 1000 x 1004 weights: tensor cores, and the
     monkeypatch.setattr(lin, "FUSE_NORM", False)  # norm not folded into v2 as for other small matrices
     _check_norm_tc(rng, monkeypatch, M, N, K, True, M == 33)

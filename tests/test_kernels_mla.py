@@ -14,7 +14,7 @@ import pytest
 from numba import cuda
 
 from kdt.config import preset
-from kdt.kernels import mla
+from kdt.kernels import mla, tc
 from kdt.kernels.common import IS_SIM, bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.reference import ops
 from kdt.reference.model import full_mask
@@ -414,6 +414,14 @@ def check_uv_project(rng, cfg, M, wdtype, version=None):
         _, W_uv_raw = split_kv_b(kv_b_raw, cfg)
         ref = np.einsum("mhr,hvr->mhv", o_lat.astype(np.float64), W_uv_raw).reshape(M, H * dv)
         assert rel_err(o, ref) < BF16_UNROUNDED_BOUND
+    # o in the hi / lo layout (o_proj's tensor-core x): on the tensor-core path, the bits of o's split; else refused
+    o_hl = cuda.to_device(poisoned((M, H * dv)).view(np.uint64))
+    if (version or mla.VERSION) == 2 and mla.uv_writes_hilo(M, kv_b_d, H, dv):
+        mla.uv_project(cuda.to_device(o_lat), kv_b_d, o_hl, version=version)
+        assert np.array_equal(o_hl.copy_to_host(), tc.hilo_np(o))
+    else:
+        with pytest.raises(ValueError, match="hi / lo"):
+            mla.uv_project(cuda.to_device(o_lat), kv_b_d, o_hl, version=version)
 
 
 @pytest.mark.kernels

@@ -108,10 +108,31 @@ def test_token_tiles(monkeypatch):
     cases = {(1, 4): 1, (17, 4): 3, (32, 4): 4, (64, 4): 4, (65, 4): 3, (96, 4): 4, (100, 4): 3, (129, 4): 3,
              (256, 4): 4, (65, 2): 2, (65, 8): 5, (300, 8): 8}  # (65, 8): 9 tiles, 5 x 2 = 10 beats 8 x 2 = 16
     assert {k: tc.token_tiles(*k) for k in cases} == cases
-    assert lin.tc_plan(65, 3648)[1] == mla._uv_tc_plan(65)[1] == mla._absorb_tc_plan(65)[1] == 3
-    assert lin.tc_plan(64, 3648)[1] == 4 and mla._uv_tc_plan(64)[1] == 2
+    assert lin.tc_plan(65, 3648, 2048)[1] == mla._uv_tc_plan(65)[1] == mla._absorb_tc_plan(65)[1] == 3
+    assert lin.tc_plan(64, 3648, 2048)[1] == 4 and mla._uv_tc_plan(64)[1] == 2
     monkeypatch.setattr(tc, "TILES_FIT", False)
     assert tc.token_tiles(65, 4) == 4 and tc.token_tiles(17, 4) == 3
+
+
+def test_tc_plans_warps(monkeypatch):
+    """The warps of linear_tc's plan: 8 on K where N <= 4096, 4 where that grid would pass TC_WIDE_BLOCKS blocks (qkv_a
+    at 65 tokens: 114 x 3) with K <= 4096; KDT_TC_WIDE_BLOCKS=0 gives 8. The tiled GEMM's plan: 8 warps side by side
+    on 256 rows, four stages, up to WIDE_MAX_M tokens (the lm_head at 65); 4 x 2 warps on 128 rows past it or with
+    KDT_TILED_WIDE_M=0."""
+    from kdt.kernels import linear as lin
+    from kdt.kernels import tc_tiled
+
+    warps = {(64, 3648, 2048): 8, (65, 3648, 2048): 4, (65, 2048, 2048): 8, (65, 2048, 11264): 8,
+             (16, 3648, 2048): 8, (65, 22528, 2048): 4}
+    assert {k: lin.tc_plan(*k)[3] for k in warps} == warps
+    assert all(lin.tc_plan(*k)[3] == lin.tc_plan(*k)[4] for k in warps)
+    monkeypatch.setattr(lin, "TC_WIDE_BLOCKS", 0)
+    assert lin.tc_plan(65, 3648, 2048)[3] == 8
+    monkeypatch.setattr(tc_tiled, "IS_SIM", False)
+    plans = {65: (8, 1, 2, 9, 4), 72: (8, 1, 2, 9, 4), 16: (8, 1, 2, 2, 4), 73: (4, 2, 2, 5, 3), 128: (4, 2, 2, 8, 3)}
+    assert {M: tc_tiled.plan(M) for M in plans} == plans
+    monkeypatch.setattr(tc_tiled, "WIDE_MAX_M", 0)
+    assert tc_tiled.plan(65) == (4, 2, 2, 5, 3)
 
 
 FO_SIM_CASES = [  # M, N, K, rt, nt, u, nw, kw: x hi / lo, N % 16 == 0, K % 16 == 0
@@ -195,6 +216,7 @@ def _tiled(rng, M, N, K, plan, xl, accumulate):
     (13, 40, 64, (1, 2, 1, 1, 2), HILO, False),  # 2 steps through a ring of 2; partial token tile, partial row block
     (21, 24, 128, (1, 2, 1, 2, 3), NAT, True),  # float32 x split as it is loaded; 4 steps through a ring of 3
     (20, 40, 96, (2, 1, 1, 1, 3), HILO, True),  # 2 row tiles' warps; 3 token blocks, the last of 4 tokens
+    (9, 40, 160, (2, 1, 1, 2, 4), HILO, False),  # warps side by side on rows (plan's wide form), 5 steps, 4 stages
 ])
 def test_tc_tiled_gemm(rng, M, N, K, plan, xl, accumulate):
     """The block-tiled GEMM (kdt.kernels.tc_tiled: weight and x tiles staged by cp.async in a ring of stages, warps

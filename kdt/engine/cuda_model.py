@@ -30,8 +30,14 @@ from kdt.kernels import attn_tc, mla, moe
 from kdt.kernels import ddtree as kd
 from kdt.kernels import elementwise as ew
 from kdt.kernels.common import IS_SIM, f32_to_bf16_bits, pdl_capture
-from kdt.kernels.linear import linear
+from kdt.kernels.linear import linear, uses_tc
 from kdt.reference.model import layer_prefix
+
+# uv_project writes the attention's output o in the hi / lo layout that o_proj's tensor cores read (the split
+# each o_proj block made of float32 o as it loaded it, made once in uv_project's epilogue: the same bits), where
+# both run on tensor cores (16+ tokens). Measured (s47a, H100, `scripts/bench_linear.py --tc`): o_proj (2048 x 2048)
+# at 65 tokens 24.8 us on float32 x, 17.3 on hi / lo; at 64 19.9 / 15.2. Env KDT_O_HILO=0: float32 o.
+O_HILO = os.environ.get("KDT_O_HILO", "1") != "0"
 
 
 class HostWeights:
@@ -184,6 +190,7 @@ class Buffers:
         self.q_pe = f32(M_max, H, dr)
         self.o_lat = f32(M_max, H, Rkv)
         self.o = f32(M_max, H * dv)
+        self.o_hl = self.o.view(np.uint64) if H * dv % 4 == 0 else None  # o as hi / lo (O_HILO), the same bytes
         self.h = f32(M_max, moe.dense_mlp_scratch_cols(cfg.intermediate_size)) if cfg.first_k_dense_replace else None
         self.logits = f32(M_max, V)
         self.choice = cuda.device_array(M_max, dtype=np.int64)
@@ -329,6 +336,15 @@ class DecoderStack:
             b.vis[: M * M].copy_to_device(vis)
             b.vis_host = vis.tobytes()
 
+    def _o(self, M: int, lw):
+        """The attention's output buffer for M tokens: ``buf.o`` float32, or its hi / lo view where uv_project and
+        o_proj both run on tensor cores (O_HILO)."""
+        b, cfg = self.buf, self.cfg
+        if O_HILO and b.o_hl is not None and uses_tc(M, lw.o_proj) \
+                and mla.uv_writes_hilo(M, lw.kv_b_proj, cfg.num_attention_heads, cfg.v_head_dim):
+            return b.o_hl[:M]
+        return b.o[:M]
+
     def _layers(self, M: int, stream=0, vis=None) -> None:
         """Every layer over ``buf.x[:M]``; ``vis`` [M, M] defaults to the staged ``buf.vis`` block."""
         cfg, b = self.cfg, self.buf
@@ -357,8 +373,9 @@ class DecoderStack:
             mla.mla_attention(b.q_abs[:M], b.q_pe[:M], self.c_kv[i], self.k_pe[i], b.L, vis, cfg.softmax_scale,
                               b.o_lat[:M], scratch=b.attn_scratch, n_splits=b.attn_splits[M], stream=s, kv_hl=kv_hl,
                               max_len=self.max_len, sync=b.attn_sync)
-            mla.uv_project(b.o_lat[:M], lw.kv_b_proj, b.o[:M], stream=s)
-            linear(b.o[:M], lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
+            o = self._o(M, lw)
+            mla.uv_project(b.o_lat[:M], lw.kv_b_proj, o, stream=s)
+            linear(o, lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
             if lw.moe is not None:
                 ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s)
                 chosen = set()

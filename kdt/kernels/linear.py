@@ -179,6 +179,14 @@ TILED_MIN_M = int(os.environ.get("KDT_LINEAR_TILED_M", "65"))
 TILED_MIN_N = int(os.environ.get("KDT_LINEAR_TILED_N", "65536"))
 TC_LONG_K = 4
 TC_MIN_WEIGHTS = 1 << 20
+# The warps a block of linear_tc's warp tile where N <= 4096 and K <= 4096: 8 (all on K: more loads in flight for a
+# small matrix) while the grid holds at most TC_WIDE_BLOCKS blocks, else 4 (a second wave of 8-warp blocks waits
+# while 4-warp blocks share the SMs). 264: two 8-warp blocks on each of the H100 / H200's 132 SMs. Measured (s47a,
+# H100, `scripts/bench_linear.py --presets moonlight-16b-a3b --M 64,65 --tc 64,65`, hi / lo x, 8 / 4 warps in us):
+# qkv_a (3648 x 2048) at 65 tokens (3 blocks of 3 token tiles x 114 of 32 rows = 342 blocks) 30.6 / 23.6, at 64
+# (228 blocks) 21.8 / 24.4; o_proj (2048 x 2048) at 65 (192 blocks) 17.3 / 19.6; the dense down (2048 x 11264, long
+# K) 69.1 / 85.9 at 65. Env KDT_TC_WIDE_BLOCKS (0: 8 warps at any grid, session 46's rule).
+TC_WIDE_BLOCKS = int(os.environ.get("KDT_TC_WIDE_BLOCKS", "264"))
 # A tensor-core linear after a norm (``linear(..., norm=...)``: the lm_head, [q_a | kv_a]) has the norm write x
 # already split into bf16 hi and lo (kdt.kernels.tc.XL_HILO, in the norm scratch's bytes): the warp tile then loads
 # two words a token tile and k group, not four floats and the ~50 integer instructions that split them (at the
@@ -753,7 +761,8 @@ def _pair_words(W, kind: str, K: int):
 def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> None:
     """``y[M, N] = x[M, K] @ W[N, K]^T``, or ``y += x @ W^T`` with ``accumulate`` (fused residual add).
 
-    x: float32 device array [M, K]; W: float32 or uint16 (bf16 bits) device array [N, K];
+    x: float32 device array [M, K], or uint64 [M, K / 2] in the hi / lo layout where the tensor cores take W
+    (:func:`uses_tc`; no norm, no glu); W: float32 or uint16 (bf16 bits) device array [N, K];
     y: float32 device array [M, N] (written; read too when ``accumulate``). y must not alias x.
     Launches on ``stream`` and returns without synchronising. Runs :func:`linear_v2` for
     ``V2_MIN_M <= M <= V2_MAX_M`` when ``VERSION == "2"``, else :func:`linear_v1`.
@@ -767,6 +776,10 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> 
     is staged (one launch); else :func:`kdt.kernels.elementwise.silu_mul` writes a first. Bitwise the same.
     """
     M = x.shape[0]
+    if np.dtype(x.dtype) == np.uint64:
+        if norm is not None or glu is not None or not uses_tc(M, W):
+            raise ValueError("linear: x in the hi / lo layout needs the tensor cores (uses_tc), without norm or glu")
+        return linear_tc(x, W, y, accumulate, stream)
     v2 = VERSION == "2" and V2_MIN_M <= M <= V2_MAX_M
     if glu is not None:
         if norm is not None:
@@ -805,14 +818,16 @@ def uses_tc(M: int, W) -> bool:
     return N * K >= TC_MIN_WEIGHTS and K % 4 == 0 and np.dtype(W.dtype) == np.uint16 and W.is_c_contiguous()
 
 
-def tc_plan(M: int, N: int) -> tuple[int, int, int, int, int]:
+def tc_plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(rt, nt, u, nw, kw) of :func:`linear_tc`: 2 row tiles of 16 a warp, up to 4 token tiles of 8 a block (tokens
     beyond 32 take more blocks, neighbours in the grid that share the row tile's weights through L2), 4 weight
-    words of 8 bytes in flight a lane and row, 8 warps splitting K where N is small (more warps in flight), all of
-    a block's warps on the same rows (kw = nw); past 32 tokens blocks of 3 token tiles where they pad M less
-    (:func:`kdt.kernels.tc.token_tiles`: 65 tokens in 3 blocks of 24, not 32)."""
-    nw = 8 if N <= 4096 else 4
-    return 2, tc.token_tiles(M, 4), 4 if M <= 32 else 2, nw, nw
+    words of 8 bytes in flight a lane and row, 8 warps splitting K where N is small (more warps in flight) unless
+    the grid would pass TC_WIDE_BLOCKS blocks with K <= 4096, all of a block's warps on the same rows (kw = nw);
+    past 32 tokens blocks of 3 token tiles where they pad M less (:func:`kdt.kernels.tc.token_tiles`: 65 tokens
+    in 3 blocks of 24, not 32)."""
+    nt = tc.token_tiles(M, 4)
+    nw = 8 if N <= 4096 and not (0 < TC_WIDE_BLOCKS < cdiv(N, 32) * cdiv(M, 8 * nt) and K <= 4096) else 4
+    return 2, nt, 4 if M <= 32 else 2, nw, nw
 
 
 def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int, int, int, int] | None = None) -> None:
@@ -828,7 +843,7 @@ def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int,
     if plan is None and 0 < TILED_MIN_M <= M and N >= TILED_MIN_N and K % tc_tiled.BK == 0 and x.is_c_contiguous():
         tc_tiled.tiled_gemm(x, W, y, accumulate, stream)
         return
-    rt, nt, u, nw, kw = plan or tc_plan(M, N)
+    rt, nt, u, nw, kw = plan or tc_plan(M, N, K)
     kern = tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO if hilo else tc.XL_NATURAL, kw)
     rows = 16 * rt * (nw // kw)
     kern[(cdiv(M, 8 * nt), cdiv(N, rows)), nw * WARP, stream](x, W.view(np.uint64).reshape(1, N, K // 4), 0, y,
@@ -1030,7 +1045,7 @@ def _register() -> None:
         register_ptx(_v2_kernel(kind, TM, NR, U, warps, glu=True), V2_SIG(_KINDS[kind][2]),
                      name=f"linear_v2_glu_{kind}_{TM}x{NR}_u{U}_w{warps}")
     # the tensor-core plans of tc_plan (kdt.kernels.tc registers the gemm's test plans)
-    for rt, nt, u, nw, kw in sorted({tc_plan(M, N) for M in (16, 24, 64, 65) for N in (576, 163840)}):
+    for rt, nt, u, nw, kw in sorted({tc_plan(M, N, 2048) for M in (16, 24, 64, 65) for N in (576, 3648, 163840)}):
         for xl, xt in ((tc.XL_NATURAL, x2), (tc.XL_HILO, uint64[:, ::1])):
             register_ptx(tc.gemm_kernel(rt, nt, u, nw, xl, kw), (xt, uint64[:, :, ::1], int64, x2, boolean))
 

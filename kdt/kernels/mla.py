@@ -807,20 +807,28 @@ def _uv_project_kernel(wdtype: str, Rkv: int, G: int, NW: int, RPW: int, TM: int
 def uv_project(o_lat, kv_b, o, stream=0, version: int | None = None) -> None:
     """o[m, h*dv+v] = sum_r kv_b[h*(dn+dv)+dn+v, r] * o_lat[m, h, r]   (W_uv[h] @ o_lat[m, h]).
 
-    o_lat[M, H, Rkv] f32; kv_b[H*(dn+dv), Rkv] f32 or bf16 (uint16); o[M, H*dv] f32 out.
+    o_lat[M, H, Rkv] f32; kv_b[H*(dn+dv), Rkv] f32 or bf16 (uint16); o[M, H*dv] f32 out, or uint64 [M, H*dv/2]:
+    o in the hi / lo layout (kdt.kernels.tc.XL_HILO) that linear_tc reads as it is, the bits it would split o into
+    (o_proj's x; tensor cores only: :func:`uv_uses_tc`, version 2, o_lat contiguous).
     ``version``: 1 or 2 (default :data:`VERSION`; v2 = one output row per warp at M <= 2, or at any M
     for a small W_uv: :data:`UV_ROW_PER_WARP_ELEMS`).
     """
     M, H, Rkv = o_lat.shape
     if M == 0:
         return
-    dv = o.shape[1] // H
+    hilo = np.dtype(o.dtype) == np.uint64
+    dv = o.shape[1] * (2 if hilo else 1) // H
     if _version(version) == 2 and uv_uses_tc(M, kv_b, H, dv) and o_lat.is_c_contiguous():
         rt, nt, u, nw = _uv_tc_plan(M)
         N = kv_b.shape[0]
-        tc.gemm_kernel(rt, nt, u, nw, heads=True)[(cdiv(M, 8 * nt), cdiv(dv, 16 * rt), H), nw * 32, stream](
-            o_lat.reshape(M * H, Rkv), kv_b.view(np.uint64).reshape(1, N, Rkv // 4), 0, o, False)
+        k = tc.gemm_kernel(rt, nt, u, nw, heads=True, yl=tc.XL_HILO if hilo else tc.XL_NATURAL)
+        k[(cdiv(M, 8 * nt), cdiv(dv, 16 * rt), H), nw * 32, stream](
+            o_lat.reshape(M * H, Rkv), kv_b.view(np.uint64).reshape(1, N, Rkv // 4), 0,
+            o.view(np.uint16) if hilo else o, False)
         return
+    if hilo:
+        raise ValueError("uv_project: o in the hi / lo layout needs the tensor-core path (uv_uses_tc, version 2, "
+                         "o_lat contiguous)")
     if _version(version) == 2:
         G, NW, RPW, TM = _uv2_params(Rkv, M, H, dv)
     else:
@@ -1787,6 +1795,11 @@ def uv_uses_tc(M: int, kv_b, H: int, dv: int) -> bool:
             and H * dv * Rkv > UV_ROW_PER_WARP_ELEMS)
 
 
+def uv_writes_hilo(M: int, kv_b, H: int, dv: int) -> bool:
+    """uv_project can write o in the hi / lo layout (:func:`uv_project`'s uint64 o): its tensor-core path."""
+    return _version(None) == 2 and uv_uses_tc(M, kv_b, H, dv)
+
+
 def _uv2_params(Rkv: int, M: int, H: int, dv: int) -> tuple[int, int, int, int]:
     """(G, NW, RPW, TM): at M <= 2, or any M for a small W_uv (``UV_ROW_PER_WARP_ELEMS``), one output row
     per warp, 8 warps per block (2048 independent warps at H=16); above, v1's tiling (x reuse over 8 rows
@@ -1841,8 +1854,10 @@ def _register() -> None:
                               f32_2, *hl_t), name=f"q_absorb2_kernel[{wdt},TM={TM},kv{tag}]")
         register_ptx(_uv_project_kernel(wdt, Rkv, 32, 8, 1, 1), (f32_3, w2, f32_2),
                      name=f"uv_project_kernel[{wdt},RPW=1]")
-    for M in (16, 64, 65, 256):  # on tensor cores (uv_uses_tc)
+    for M in (16, 64, 65, 256):  # on tensor cores (uv_uses_tc), o float32 or hi / lo (o_proj's x)
         register_ptx(tc.gemm_kernel(*_uv_tc_plan(M), heads=True), (f32_2, uint64[:, :, ::1], int64, f32_2, boolean))
+        register_ptx(tc.gemm_kernel(*_uv_tc_plan(M), heads=True, yl=tc.XL_HILO),
+                     (f32_2, uint64[:, :, ::1], int64, uint16[:, ::1], boolean))
     for M in (64, 65, 128, 256):  # the absorb's (absorb_uses_tc)
         rt, nt, u, nw, kw = _absorb_tc_plan(M)
         register_ptx(tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO, kw, heads=True),

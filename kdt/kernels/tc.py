@@ -966,7 +966,7 @@ def block_total_fn(st: int):
 
 
 def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int = 0, heads: bool = False,
-                st: int = 0, fo: bool = False):
+                st: int = 0, fo: bool = False, yl: int = XL_NATURAL):
     """``y[M, N] (+)= X[M, K] W[e, N, K]^T`` (kdt.kernels.linear's tensor-core path; the warp tile's test). Block
     (bx, by): tokens [8 nt bx, 8 nt (bx + 1)) x rows [R by, R (by + 1)), R = 16 rt nw / kw (the token tiles of a
     row tile are neighbours in the grid, so they meet its weights in L2); its nw warps in row groups of kw warps
@@ -977,14 +977,18 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
     rows (kdt.kernels.mla.uv_project: W_uv[h], the last dv of kv_b's dn + dv rows of head h), X row m H + h (o_lat
     [M, H, K] flattened) and y columns [h N, (h + 1) N) of y [M, H N]; e and accumulate are not read (W [1, ...]).
     st >= 2: the loads staged through shared memory (:func:`warp_mm_staged`). ``fo``: W in fragment order
-    (:func:`to_fo`; N % 16 == 0, K % 16 == 0, x hi / lo; not with heads)."""
+    (:func:`to_fo`; N % 16 == 0, K % 16 == 0, x hi / lo; not with heads). ``yl`` XL_HILO (with heads): y is the
+    uint16 view [M, 2 H N] of a hi / lo layout (:func:`put_hilo`), what the next linear_tc reads without splitting
+    (kdt.kernels.mla.uv_project for o_proj)."""
     kw, KW, NRG = row_groups(nw, kw)
     if fo and heads:
         raise ValueError("fragment-ordered weights: one GEMM, not one a head")
-    key = ("gemm", rt, nt, u, nw, xl, kw, heads, st, TC_PTR, fo)
+    if yl not in (XL_NATURAL, XL_HILO) or (yl == XL_HILO and not heads):
+        raise ValueError("gemm_kernel: y in the hi / lo layout with heads only")
+    key = ("gemm", rt, nt, u, nw, xl, kw, heads, st, TC_PTR, fo, yl)
     if key in _CACHE:
         return _CACHE[key]
-    RT, NT, NW, NA, NB, HEADS = rt, nt, nw, rt * nt * 4, 2 * rt, heads
+    RT, NT, NW, NA, NB, HEADS, YHL = rt, nt, nw, rt * nt * 4, 2 * rt, heads, yl == XL_HILO
     FRAG, SM, SMT = frag_shape(nw), sm_shape(nw, rt, nt, st, u), sm_dtype(st)
     bmm = block_mm(rt, nt, u, xl, False, nw, kw, st, fo)
     total = block_total_fn(st)
@@ -1001,7 +1005,7 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
         xrows = cuda.local.array(NT, int64)
         H = cuda.gridDim.z if HEADS else 1
         h = cuda.blockIdx.z if HEADS else 0
-        M, N = X.shape[0] // H, y.shape[1] // H
+        M, N = X.shape[0] // H, y.shape[1] // (2 * H if YHL else H)
         m0 = cuda.blockIdx.x * 8 * NT
         r0 = cuda.blockIdx.y * MMA_ROWS * RT * NRG
         tile_rows(rows, r0 + (warp // KW) * MMA_ROWS * RT, N, g, RT)
@@ -1018,10 +1022,14 @@ def gemm_kernel(rt: int, nt: int, u: int, nw: int, xl: int = XL_NATURAL, kw: int
             if row < N and m < M:
                 v = total(sm, i, lane, q * KW, KW)
                 c = h * N + row
-                y[m, c] = y[m, c] + v if accumulate and not HEADS else v
+                if YHL:
+                    put_hilo(y, m, c, v)
+                else:
+                    y[m, c] = y[m, c] + v if accumulate and not HEADS else v
 
     tc_gemm.__name__ = (f"tc_gemm_rt{rt}_nt{nt}_u{u}_nw{nw}{XL_NAMES[xl]}{f'_kw{kw}' if kw else ''}"
-                        f"{'_heads' if heads else ''}{f'_st{st}' if st else ''}{'_fo' if fo else ''}")
+                        f"{'_heads' if heads else ''}{f'_st{st}' if st else ''}{'_fo' if fo else ''}"
+                        f"{'_yhilo' if yl == XL_HILO else ''}")
     k = cuda.jit(tc_gemm)
     _CACHE[key] = k
     return k

@@ -37,6 +37,7 @@ gathered as their x tiles are copied, its gate rows and the matching up rows in 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
@@ -299,12 +300,24 @@ def _gate_up_source(WN, TT, ST, BN, BM, XOFF) -> str:
     return s.text()
 
 
+# Up to WIDE_MAX_M tokens (one block of 9 token tiles at most), :func:`plan` puts its 8 warps side by side on 256
+# weight rows (wn = 8, wm = 1: a block's x tile is copied for half as many blocks as with 128 rows) with four stages
+# in flight. Measured (s47a, H100, `scripts/bench_linear.py --presets moonlight-16b-a3b --M 64,65 --tiled --layers
+# lm_head --tiled-plans ..`, the lm_head 163840 x 2048, hi / lo x, us): 65 tokens 668.5 with (4, 2, 2, 5, 3) ->
+# 571.3 with (8, 1, 2, 9, 4); 64 tokens 654.2 -> 574.5; the 128-row plan with 4 / 6 / 8 stages 635.2 / 673.1 /
+# 632.5 at 65; 4 warps of 128 rows by 72 tokens 708.2. Env KDT_TILED_WIDE_M (0: 128 rows at every M).
+WIDE_MAX_M = int(os.environ.get("KDT_TILED_WIDE_M", "72"))
+
+
 def plan(M: int) -> tuple[int, int, int, int, int]:
-    """(wn, wm, rt, tt, st) for M tokens: 8 warps, 4 x 2 (BN = 128 rows); token tiles to cover M in one block up to
-    128 tokens (TT = cdiv(M, 16), at most 8); three stages (72 KB of shared memory at 128 tokens). Simulator: one
-    warp by two, small tiles (every simulated thread is a Python thread)."""
+    """(wn, wm, rt, tt, st) for M tokens: 8 warps; up to WIDE_MAX_M tokens 8 x 1 (BN = 256 rows, BM = 8 cdiv(M, 8)
+    tokens) with four stages, past it 4 x 2 (BN = 128 rows), token tiles to cover M in one block up to 128 tokens
+    (TT = cdiv(M, 16), at most 8), three stages (72 KB of shared memory at 128 tokens). Simulator: one warp by two,
+    small tiles (every simulated thread is a Python thread)."""
     if IS_SIM:
         return 1, 2, 1, min(2, cdiv(M, 16)), 2
+    if M <= WIDE_MAX_M:
+        return 8, 1, 2, cdiv(M, 8), 4
     return 4, 2, 2, min(8, cdiv(M, 16)), 3
 
 
@@ -334,10 +347,11 @@ def _register() -> None:
     from numba import boolean
 
     f32_2 = float32[:, ::1]
-    for tt, xl, xt in ((1, XL_HILO, uint64[:, ::1]), (4, XL_HILO, uint64[:, ::1]), (8, XL_HILO, uint64[:, ::1]),
-                       (4, XL_NATURAL, f32_2)):  # (float32 x at 8 token tiles: ~110 s to compile)
-        register_ptx(tiled_gemm_kernel(4, 2, 2, tt, 3, xl), (xt, uint64[:, ::1], f32_2, boolean),
-                     name=f"tc_tiled[wn=4,wm=2,rt=2,tt={tt},st=3{',hilo' if xl == XL_HILO else ''}]")
+    for p, xl, xt in (((4, 2, 2, 1, 3), XL_HILO, uint64[:, ::1]), ((4, 2, 2, 4, 3), XL_HILO, uint64[:, ::1]),
+                      ((4, 2, 2, 8, 3), XL_HILO, uint64[:, ::1]), ((4, 2, 2, 4, 3), XL_NATURAL, f32_2),
+                      ((8, 1, 2, 9, 4), XL_HILO, uint64[:, ::1])):  # (float32 x at 8 token tiles: ~110 s to compile)
+        register_ptx(tiled_gemm_kernel(*p, xl), (xt, uint64[:, ::1], f32_2, boolean),
+                     name="tc_tiled[wn={},wm={},rt={},tt={},st={}".format(*p) + f"{',hilo' if xl == XL_HILO else ''}]")
     i32 = int32[::1]
     for tt in (1, 2, 3):  # the MoE's routed gate_up (Moonlight at 65 / 128 / 256 tokens: gate_up_plan)
         register_ptx(tiled_gate_up_kernel(4, 2, tt, 3), (uint64[:, ::1], uint64[:, :, ::1], uint16[:, ::1], i32, i32,
