@@ -23,9 +23,9 @@ and each whole program is also timed with kdt.kernels.moe.TC_FO switched: where 
 natural order and the tensor cores from TC_MIN_M tokens (session 43's kernels), where it is off with the copy.
 ``--tiles-ab``: also with the tensor-core GEMMs' token tiles a block switched (kdt.kernels.tc.TILES_FIT: off, up to
 4 tiles a block past 32 tokens, or on, 3 where they pad less: 65 tokens in blocks of 24). ``--ab
-kdt.kernels.linear.TC_WIDE_BLOCKS=0`` (repeatable): also with that module constant set to that value (an int, or
-text). A switched program's kernels first run once outside a graph (they compile there, not while a graph is
-captured).
+kdt.kernels.linear.TC_WIDE_BLOCKS=0[,MODULE.NAME=VALUE..]`` (repeatable: a column each): also with those module
+constants set to those values (ints, or text) together. A switched program's kernels first run once outside a
+graph (they compile there, not while a graph is captured).
 
 Replays would change the state: each step commits tokens, so L would grow by thousands over the replays and
 the attention would be timed at a prefix far longer than the run's (session 19's profiles: the budget-31 verify's
@@ -196,8 +196,8 @@ def main() -> int:
     ap.add_argument("--tiles-ab", action="store_true",
                     help="also time each whole program with the tensor-core GEMMs' token tiles a block switched "
                     "(kdt.kernels.tc.TILES_FIT)")
-    ap.add_argument("--ab", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="also time each whole program with this module constant set (repeatable: a column each)")
+    ap.add_argument("--ab", action="append", default=[], metavar="MODULE.NAME=VALUE[,..]",
+                    help="also time each whole program with these module constants set (repeatable: a column each)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -279,14 +279,16 @@ def main() -> int:
             fn(0)
         cuda.synchronize()
         switches[-1][2](False)
-    for spec in args.ab:
-        name, _, value = spec.partition("=")
-        mod, _, attr = name.rpartition(".")
-        module = importlib.import_module(mod)
-        old = getattr(module, attr)
-        new = int(value) if value.lstrip("-").isdigit() else value
-        switches.append((f"programs_us_{attr}_{value}", f"{attr[:12]}={value}"[:16],
-                         lambda on, m=module, a=attr, n=new, o=old: setattr(m, a, n if on else o)))
+    for spec in args.ab:  # one column: every MODULE.NAME=VALUE of the comma-separated spec set together
+        sets = []
+        for item in spec.split(","):
+            name, _, value = item.partition("=")
+            mod, _, attr = name.rpartition(".")
+            module = importlib.import_module(mod)
+            sets.append((module, attr, int(value) if value.lstrip("-").isdigit() else value, getattr(module, attr)))
+        label = "+".join(f"{attr}={value!s}" for _, attr, value, _ in sets)
+        switches.append((f"programs_us_{label}", label if len(sets) == 1 else f"set {len(switches) + 1}",
+                         lambda on, sets=sets: [setattr(m, a, n if on else o) for m, a, n, o in sets]))
         switches[-1][2](True)  # its kernels compile outside a capture
         for fn in whole.values():
             fn(0)
