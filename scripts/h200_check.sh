@@ -1745,12 +1745,12 @@ s47e)  # session 47, issue 7, where the device time left is short: s47d without 
   # linear / tiled / uv, the MoE and the engine, kdt verify)
   tparts 300 wide tests/test_kernels_linear.py tests/test_kernels_tc.py tests/test_kernels_mla.py \
     -k "test_linear_tc_gpu or test_linear_norm_tc_gpu or tc_tiled_gemm_gpu or (q_absorb_uv_project_gpu and bf16 and 65)"
+  tparts 200 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
   step profile_wide ${PROFILE_TIMEOUT:-240} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
     --drafter oracle --budget 64 --launches none \
     --ab kdt.kernels.linear.TC_WIDE_BLOCKS=0,kdt.kernels.tc_tiled.WIDE_MAX_M=0,kdt.engine.cuda_model.O_HILO=0 \
     --json "$OUT/profile-graphs-$day-moonlight-b64-wide-s47e.json"
   grep -h "==\|step\|forward\|empty\|build\|WIDE\|Error\|error" "$OUT/profile_wide.log" | cut -c1-150 | tail -n 20
-  tparts 200 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
   verify_beside_tparts 150 1 wide engine ;;
 s47d)  # session 47, issue 7, where one call is all the device time left allows: s47b's A/B (profile_graphs --ab, the
   # three switches off together: session 46's code in one column) and gpu tests, then s47c (kdt bench, the MoE / engine gpu tests, kdt verify); s47b's 128 / 256-token sweeps left out
