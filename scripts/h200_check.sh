@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s47d|s47e|s47f
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1693,10 +1693,11 @@ s46a)  # session 46, issue 7: the tensor-core GEMMs' token tiles fitted to M (kd
     --drafter oracle --budget 64 --launches none --tiles-ab --json "$OUT/profile-graphs-$day-moonlight-b64-tiles-s46a.json"
   grep -h "==\|step\|forward\|empty\|build\|fit\|Error\|error" "$OUT/profile_tiles.log" | cut -c1-150 | tail -n 20
   wait; echo "pytest tiles:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_tiles.log" | cut -c1-300 ;;
-s46b)  # session 46, issue 7: the final code: kdt bench on the Moonlight shape, then its gpu tests (the Moonlight MoE layer,
-  # the engine's invariant) beside kdt verify (tiny fp32, model_code bf16): s44a under this session's name
+s46b|s47c)  # session 46, issue 7: the final code: kdt bench on the Moonlight shape, then its gpu tests (the Moonlight MoE
+  # layer, the engine's invariant) beside kdt verify (tiny fp32, model_code bf16): s44a under this session's name
+  # (s47c: the same for session 47's code, next session)
   step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
-    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-s46b.json" \
+    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-$MODE.json" \
     && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160
   ;&
 s46c)  # s46b's checks without its bench (where the device time left is short): the Moonlight MoE layer's and the
@@ -1717,11 +1718,12 @@ s47a)  # next session, issue 7: the warps a block of linear_tc (kdt.kernels.line
     --tiled --layers lm_head --tiled-plans '4,2,2,5,4;4,2,2,5,6;4,2,2,5,8;4,1,2,9,3;4,1,2,9,6;8,1,2,9,4;4,2,2,4,6' \
     --jobs 8 --json "$OUT/lmhead-stages-$day-moonlight-s47a.json"
   grep -h "shape\|N=\|plan" "$OUT/lmhead_stages.log" | cut -c1-160 ;;
-s47b)  # session 47, issue 7: linear_tc's 4 warps past TC_WIDE_BLOCKS blocks (qkv_a at 65 tokens), the tiled GEMM's
-  # wide plan (8 warps on 256 rows, 4 stages, up to 72 tokens: the lm_head at 65) and uv_project writing o as hi / lo
-  # for o_proj (kdt.engine.cuda_model.O_HILO), all defaults now: the projections
+s47b)  # next session, issue 7: linear_tc's 4 warps past TC_WIDE_BLOCKS blocks (qkv_a at 65 tokens) and the tiled
+  # GEMM's wide plan (8 warps on 256 rows, 4 stages, up to 72 tokens: the lm_head at 65), both defaults now, and
+  # uv_project writing o as hi / lo for o_proj (kdt.engine.cuda_model.O_HILO, off until this runs): the projections
   # at 128 / 256 tokens with 8 and 4 warps, the tiled lm_head's plans at 65 / 128 / 256, the budget-64 oracle step
-  # with each switched off (profile_graphs --ab), the gpu tests of linear_tc and the tiled GEMM beside it
+  # with the two plans off (session 46's) and with O_HILO on (profile_graphs --ab), the gpu tests of linear_tc, the
+  # tiled GEMM and uv_project's hi / lo o beside it
   step linear_wide ${LINEAR_TIMEOUT:-150} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 128,256 \
     --tc 128,256 --plans '2,4,2,8,8;2,4,2,4,4' --jobs 8 --json "$OUT/linear-wide-$day-moonlight-s47b.json"
   grep -h "shape\|N=" "$OUT/linear_wide.log" | cut -c1-160
@@ -1732,47 +1734,12 @@ s47b)  # session 47, issue 7: linear_tc's 4 warps past TC_WIDE_BLOCKS blocks (qk
   tparts 300 wide tests/test_kernels_linear.py tests/test_kernels_tc.py tests/test_kernels_mla.py \
     -k "test_linear_tc_gpu or test_linear_norm_tc_gpu or tc_tiled_gemm_gpu or (q_absorb_uv_project_gpu and bf16 and 65)"
   step profile_wide ${PROFILE_TIMEOUT:-300} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
-    --drafter oracle --budget 64 --launches none --ab kdt.kernels.linear.TC_WIDE_BLOCKS=0 \
-    --ab kdt.kernels.tc_tiled.WIDE_MAX_M=0 --ab kdt.engine.cuda_model.O_HILO=0 \
+    --drafter oracle --budget 64 --launches none \
+    --ab kdt.kernels.linear.TC_WIDE_BLOCKS=0,kdt.kernels.tc_tiled.WIDE_MAX_M=0 --ab kdt.engine.cuda_model.O_HILO=1 \
     --json "$OUT/profile-graphs-$day-moonlight-b64-wide-s47b.json"
   grep -h "==\|step\|forward\|empty\|build\|WIDE\|Error\|error" "$OUT/profile_wide.log" | cut -c1-150 | tail -n 20
   wait; echo "pytest wide:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_wide.log" | cut -c1-300 ;;
-s47f)  # session 47, issue 7: kdt bench alone on the Moonlight shape (after s47e in the same call)
-  step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
-    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-${MODE}.json" \
-    && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
-s47e)  # session 47, issue 7, where the device time left is short: s47d without kdt bench (the A/B, the gpu tests of
-  # linear / tiled / uv, the MoE and the engine, kdt verify)
-  tparts 300 wide tests/test_kernels_linear.py tests/test_kernels_tc.py tests/test_kernels_mla.py \
-    -k "test_linear_tc_gpu or test_linear_norm_tc_gpu or tc_tiled_gemm_gpu or (q_absorb_uv_project_gpu and bf16 and 65)"
-  tparts 200 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
-  step profile_wide ${PROFILE_TIMEOUT:-240} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
-    --drafter oracle --budget 64 --launches none \
-    --ab kdt.kernels.linear.TC_WIDE_BLOCKS=0,kdt.kernels.tc_tiled.WIDE_MAX_M=0,kdt.engine.cuda_model.O_HILO=0 \
-    --json "$OUT/profile-graphs-$day-moonlight-b64-wide-s47e.json"
-  grep -h "==\|step\|forward\|empty\|build\|WIDE\|Error\|error" "$OUT/profile_wide.log" | cut -c1-150 | tail -n 20
-  verify_beside_tparts 150 1 wide engine ;;
-s47d)  # session 47, issue 7, where one call is all the device time left allows: s47b's A/B (profile_graphs --ab, the
-  # three switches off together: session 46's code in one column) and gpu tests, then s47c (kdt bench, the MoE / engine gpu tests, kdt verify); s47b's 128 / 256-token sweeps left out
-  tparts 300 wide tests/test_kernels_linear.py tests/test_kernels_tc.py tests/test_kernels_mla.py \
-    -k "test_linear_tc_gpu or test_linear_norm_tc_gpu or tc_tiled_gemm_gpu or (q_absorb_uv_project_gpu and bf16 and 65)"
-  step profile_wide ${PROFILE_TIMEOUT:-240} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
-    --drafter oracle --budget 64 --launches none \
-    --ab kdt.kernels.linear.TC_WIDE_BLOCKS=0,kdt.kernels.tc_tiled.WIDE_MAX_M=0,kdt.engine.cuda_model.O_HILO=0 \
-    --json "$OUT/profile-graphs-$day-moonlight-b64-wide-s47d.json"
-  grep -h "==\|step\|forward\|empty\|build\|WIDE\|Error\|error" "$OUT/profile_wide.log" | cut -c1-150 | tail -n 20
-  wait; echo "pytest wide:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_wide.log" | cut -c1-300
-  ;&
-s47c)  # session 47, issue 7: the final code: s46b (kdt bench on the Moonlight shape, the MoE / engine gpu tests, kdt
-  # verify) under this session's name
-  step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
-    --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-${MODE}.json" \
-    && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160
-  tparts 240 moe tests/test_kernels_moe.py tests/test_kernels_tc.py \
-    -k "(test_moe_forward_moonlight and bf16-2) or fragment_order_gpu or moonlight_tc"
-  tparts 240 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
-  verify_beside_tparts 150 1 moe engine ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s47d|s47e|s47f"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
