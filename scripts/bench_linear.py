@@ -248,6 +248,7 @@ def bench_tiled(presets: list[str], Ms: list[int], plans=(), layers=None) -> lis
                     ys[3].copy_to_device(np.full((M, N), np.nan, np.float32))  # poisoned
                     f(0)
                     d = float(np.linalg.norm(a - ys[3].copy_to_host()) / max(np.linalg.norm(a), 1e-30))
+                    row.setdefault("sweep_rel_diff", {})[",".join(map(str, p))] = d
                     row["sweep_hilo"][",".join(map(str, p))] = u = timed(f, estimate_us(f))
                     print(f"{'':34s} {M:5d} tiled hilo plan {str(p):>18s} {u:9.1f} us  rel diff {d:9.1e}", flush=True)
     return rows

@@ -316,7 +316,7 @@ def plan(M: int) -> tuple[int, int, int, int, int]:
     small tiles (every simulated thread is a Python thread)."""
     if IS_SIM:
         return 1, 2, 1, min(2, cdiv(M, 16)), 2
-    if M <= WIDE_MAX_M:
+    if M <= min(WIDE_MAX_M, 72):  # (at most 9 token tiles: 72 accumulators a lane)
         return 8, 1, 2, cdiv(M, 8), 4
     return 4, 2, 2, min(8, cdiv(M, 16)), 3
 
