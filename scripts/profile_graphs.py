@@ -257,6 +257,15 @@ def main() -> int:
     pdl = pdl_launches()
     ci = mla.COMBINE_IN_MAX_M
     switches = []  # (key in out, column label, setter(on): the setting switched on / back)
+
+    def compile_outside_capture(switch) -> None:
+        """Run every whole program once with ``switch`` on: its kernels compile here, not while a graph is captured."""
+        switch(True)
+        for fn in whole.values():
+            fn(0)
+        cuda.synchronize()
+        switch(False)
+
     if args.pdl_ab:
         switches.append(("programs_us_no_pdl", "no PDL", lambda on: set_pdl_launch(pdl and not on)))
     if args.combine_in_ab:
@@ -274,11 +283,7 @@ def main() -> int:
         fit = tc.TILES_FIT
         switches.append((f"programs_us_tiles_fit_{int(not fit)}", f"fit {int(not fit)}",
                          lambda on: setattr(tc, "TILES_FIT", (not fit) if on else fit)))
-        switches[-1][2](True)  # its kernels compile outside a capture
-        for fn in whole.values():
-            fn(0)
-        cuda.synchronize()
-        switches[-1][2](False)
+        compile_outside_capture(switches[-1][2])
     for spec in args.ab:  # one column: every MODULE.NAME=VALUE of the comma-separated spec set together
         sets = []
         for item in spec.split(","):
@@ -289,14 +294,11 @@ def main() -> int:
         label = "+".join(f"{attr}={value!s}" for _, attr, value, _ in sets)
         switches.append((f"programs_us_{label}", label if len(sets) == 1 else f"set {len(switches) + 1}",
                          lambda on, sets=sets: [setattr(m, a, n if on else o) for m, a, n, o in sets]))
-        switches[-1][2](True)  # its kernels compile outside a capture
-        for fn in whole.values():
-            fn(0)
-        cuda.synchronize()
-        switches[-1][2](False)
+        compile_outside_capture(switches[-1][2])
+    widths = [max(8, len(label)) for _, label, _ in switches]
     if switches:
         print(f"  {'':34s} {('PDL' if pdl else 'no PDL') + f', ci {int(bool(ci))}':>12s} "
-              + " ".join(f"{label:>{max(8, len(label))}s}" for _, label, _ in switches))
+              + " ".join(f"{label:>{w}s}" for (_, label, _), w in zip(switches, widths, strict=True)))
     for col, _, _ in switches:  # (not `key`: the step's lambda above reads that name when it runs)
         out[col] = {}
     for name, fn in whole.items():
@@ -307,7 +309,6 @@ def main() -> int:
             switch(True)
             cols.append(out[col].setdefault(name, round(graph_us(fn), 2)))
             switch(False)
-        widths = [max(8, len(label)) for _, label, _ in switches]
         print(f"  {name:34s} {us:12.2f} " + " ".join(f"{c:{w}.2f}" for c, w in zip(cols, widths, strict=True)) + " us")
     out["pdl"] = pdl
     out["combine_in_max_m"] = ci
