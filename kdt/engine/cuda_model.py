@@ -36,9 +36,9 @@ from kdt.reference.model import layer_prefix
 # uv_project writes the attention's output o in the hi / lo layout that o_proj's tensor cores read (the split
 # each o_proj block made of float32 o as it loaded it, made once in uv_project's epilogue: the same bits), where
 # both run on tensor cores (16+ tokens). Measured (s47a, H100, `scripts/bench_linear.py --tc`): o_proj (2048 x 2048)
-# at 65 tokens 24.8 us on float32 x, 17.3 on hi / lo; at 64 19.9 / 15.2. Off until uv_project's hi / lo epilogue
-# has run on a GPU (session 47: simulator and sm_90 compile only; `scripts/h200_check.sh s47b`). Env KDT_O_HILO=1: on.
-O_HILO = os.environ.get("KDT_O_HILO", "0") != "0"
+# at 65 tokens 24.8 us on float32 x, 17.3 on hi / lo; at 64 19.9 / 15.2. The budget-64 oracle step (s47b, H200,
+# `scripts/profile_graphs.py --ab kdt.engine.cuda_model.O_HILO=1`): 13475 -> 13283 us. Env KDT_O_HILO=0: off.
+O_HILO = os.environ.get("KDT_O_HILO", "1") != "0"
 
 
 class HostWeights:
