@@ -13,7 +13,9 @@ shapes beside the default (``kdt.kernels.moe.V2Tiles``) so one run picks the bes
 version 2's launches as growing prefixes of the forward, each launch's first role
 (``moe.V2Launch.head``: A's router logits + routing tail without the shared gate_up, B's routed
 gate_up without the shared down) before the whole launch: the increments say where the forward's
-time goes. Every new launch shape compiles its kernels first (5-65 s each), outside the timed region;
+time goes. Version 2's forwards get b's hi / lo layout (``b_hl``, as the engine's norm writes it) unless a
+variant's name says ``no_b_hl``. Every new launch shape compiles its kernels first (5-65 s each), outside the timed
+region;
 ``--jobs N`` compiles them first in N processes at once into kdt's disk cache (kdt.kernels.jit_cache), from
 which the timing process then loads them (a sweep's compiles otherwise run one after another). ``--ncu`` times
 nothing: each variant runs once to compile, then once between cuda.profile_start / profile_stop, for Nsight
@@ -40,7 +42,7 @@ from numba import cuda  # noqa: E402
 
 from kdt.config import preset  # noqa: E402
 from kdt.fixture import read_config  # noqa: E402
-from kdt.kernels import moe  # noqa: E402
+from kdt.kernels import moe, tc  # noqa: E402
 from kdt.kernels.bench import copy_bandwidth, moe_layer, rand, time_us  # noqa: E402
 
 
@@ -55,7 +57,8 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
     tokens in one block, kernel C's experts per block by M alone (session 10); kernel A's token tiles by M
     alone (session 11); kernels A and B as two launches (session 24); float32 x into the tensor cores, the shared GEMMs
     over all M tokens a block (session 28); the tensor cores' passes all of tc token tiles, x float32 below 4 (session
-    35's tc_fit); the experts in their natural order (session 44's fragment order)."""
+    35's tc_fit); the experts in their natural order (session 44's fragment order); the shared experts in natural order
+    and b without its hi / lo copy (session 48: ``no_b_hl`` in a name: the forward gets no b_hl)."""
     t = default_tiles(M, k, E, D)
     r = dataclasses.replace
     old = [("A_one_router", r(t, rt=False))] if M > t.tt_s else []
@@ -82,7 +85,17 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
         old.append(("C_jc_by_M", r(t, jc=by_m.jc)))
     if (by_m.tt_s, by_m.cs_s) != (t.tt_s, t.cs_s):  # session 11: kernel A's 2-token tiles (small models)
         old.append(("A_tiles_by_M", r(t, tt_s=by_m.tt_s, cs_s=by_m.cs_s)))
+    if t.s_fo:  # session 48: the shared experts in fragment order, b's hi / lo from the caller
+        old += [("shared_natural", r(t, s_fo=False)), ("no_b_hl", t), ("s47_no_b_hl", r(t, s_fo=False))]
     return old
+
+
+def b_hl_for(vname: str, version: int, b):
+    """The b_hl a variant's forward gets: b's hi / lo layout (as the engine's norm writes it) for version 2, unless
+    the name says ``no_b_hl`` (moe_forward reads it only where its plan takes hi / lo x)."""
+    if version != 2 or "no_b_hl" in vname:
+        return None
+    return cuda.to_device(tc.hilo_np(b.copy_to_host()))
 
 
 def sweep_variants(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tiles]]:
@@ -136,7 +149,7 @@ def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> l
     """Version 2's launches timed as growing prefixes of the forward (A's head, A, A + B's head, A + B,
     A + B + C; the head of a launch is its first role alone, ``moe.V2Launch.head``). Prefixes, not
     launches alone: alone, a launch would re-read weights that the L2 (60 MB) still holds."""
-    launches = moe.v2_launches(b, layer, scratch, out, M, accumulate=False)
+    launches = moe.v2_launches(b, layer, scratch, out, M, accumulate=False, b_hl=b_hl_for("v2", 2, b))
     rows, prev = [], 0.0
     for n, ln in enumerate(launches):
         for part, grid in (("head", ln.head), ("whole", ln.grid)):
@@ -187,7 +200,8 @@ def _compile_worker(job) -> str:
     b, out = rand((M, cfg.hidden_size)), cuda.device_array((M, cfg.hidden_size), np.float32)
     for vname, version, tiles in variants_for(M, cfg, layer, scratch, sweep, only):
         if vname in names:
-            moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles)
+            moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles,
+                            b_hl=b_hl_for(vname, version, b))
     cuda.synchronize()
     return f"{name} M={M} {','.join(names)}"
 
@@ -215,10 +229,12 @@ def profile_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, only
     for M in Ms:
         b, out = rand((M, cfg.hidden_size)), cuda.device_array((M, cfg.hidden_size), np.float32)
         for vname, version, tiles in variants_for(M, cfg, layer, scratch, sweep, only):
+            b_hl = b_hl_for(vname, version, b)
             for profiled in (False, True):
                 if profiled:
                     cuda.profile_start()
-                moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles)
+                moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles,
+                                b_hl=b_hl)
                 cuda.synchronize()
                 if profiled:
                     cuda.profile_stop()
@@ -239,15 +255,16 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: fl
         us_v1 = None
         for vname, version, tiles in variants_for(M, cfg, layer, scratch, sweep, only):
             t0 = time.perf_counter()
-            moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles)
+            b_hl = b_hl_for(vname, version, b)
+            moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles, b_hl=b_hl)
             got = out.copy_to_host()  # compiles (first use) and checks, untimed
             n_active = int(scratch.n_active.copy_to_host()[0])
             t_compile = time.perf_counter() - t0
             if ref is None:
                 ref = got.astype(np.float64)
             diff = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-            us = time_us(lambda i, v=version, t=tiles, M=M, b=b, out=out:
-                         moe.moe_forward(b, layer, scratch, out, M=M, version=v, tiles=t))
+            us = time_us(lambda i, v=version, t=tiles, M=M, b=b, out=out, b_hl=b_hl:
+                         moe.moe_forward(b, layer, scratch, out, M=M, version=v, tiles=t, b_hl=b_hl))
             us_v1 = us_v1 or us
             nbytes = (n_active + cfg.n_shared_experts) * 3 * D * I * wb + 4 * E * D
             gbs = nbytes / us * 1e-3

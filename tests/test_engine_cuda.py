@@ -169,6 +169,45 @@ def test_forward_o_hilo_keeps_the_bits(monkeypatch, rng):
 
 
 @sim_only
+def test_forward_moe_b_hilo_keeps_the_bits(monkeypatch, rng):
+    """The MoE's norm writing its output in the hi / lo layout too (Buffers.a_hl, kdt.kernels.moe.B_HILO) for the
+    layer's tensor cores, with the shared experts in fragment order (moe.SHARED_FO; both on by force at MICRO's size:
+    version 2 on tensor-core tiles, every layer with its fragment-ordered copies): b_hl passed where the plan takes it,
+    the logits of a prefill and a tree verify the same bits as without, and the reference's to the bound."""
+    from dataclasses import replace
+
+    from kdt.kernels import moe
+
+    tiles = moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=1, tc=1, tc_rt=1,
+                        tc_split=True, tc_hilo=True, tc_fo=True)
+    monkeypatch.setattr(moe, "SMALL", False)
+    monkeypatch.setattr(moe, "TC_FO", "1")
+    seen = []
+    run = moe.moe_forward
+    monkeypatch.setattr(moe, "moe_forward", lambda *a, **k: seen.append(k.get("b_hl") is not None) or run(*a, **k))
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    P = 5
+    prompt = rng.integers(0, MICRO.vocab_size, P)
+    vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(moe, "B_HILO", on)
+        monkeypatch.setattr(moe, "v2_tiles", lambda *a, on=on, **k: replace(tiles, s_fo=on))
+        cm = cuda_model(MICRO, w, "bf16")
+        assert all(lw.moe is None or lw.moe._sdn_fo is not None for lw in cm.layers)
+        outs[on] = [np.array(cm.forward(prompt, np.arange(P), 0, causal_block(P))),
+                    np.array(cm.forward(toks, pos, P, vis))]
+        assert seen and set(seen) == {on}, (on, seen)
+        seen.clear()
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert np.array_equal(a, b)
+    ref = RefModel(MICRO, w, max_len=40)
+    assert rel_err(outs[True][0], ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
+    assert rel_err(outs[True][1], ref.forward(toks, pos, P, vis)) < 1e-5
+
+
+@sim_only
 def test_pre_split_cache_follows_the_latent_caches(monkeypatch, rng):
     """The pre-split latent cache kv_hl [n_layers, max_len, Rkv + dr] (on by force: MICRO's kv_lora_rank 16 is
     below the tensor-core attention's shapes, kdt.engine.cuda_model.uses_kv_hl) after a prefill, a tree verify and

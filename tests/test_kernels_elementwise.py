@@ -12,6 +12,7 @@ import pytest
 from numba import cuda
 
 from kdt.kernels import elementwise as ew
+from kdt.kernels import tc
 from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.reference import ops
 from kdt.testing import poisoned, rel_err
@@ -104,6 +105,32 @@ def test_rmsnorm_sliced_views_and_in_place(rng):
     assert np.array_equal(out[:, Rkv:], c[:, Rkv:])
 
 
+def _check_rmsnorm_both(rng, M, N, wdtype):
+    """rmsnorm(..., y_hl=): y the bits of the plain norm's, y_hl exactly y's hi / lo layout (kdt.kernels.tc.hilo_np),
+    both poisoned first; a y_hl of the wrong shape or beside hilo=True is refused."""
+    x = _rms_rows(rng, M, N)
+    w, w64 = _table(rng, (N,), wdtype)
+    d_x, d_w = cuda.to_device(x), cuda.to_device(w)
+    d_plain, d_y = cuda.to_device(poisoned((M, N))), cuda.to_device(poisoned((M, N)))
+    d_hl = cuda.to_device(np.full((M, 2 * N), 0xFFFF, np.uint16))
+    ew.rmsnorm(d_x, d_w, EPS, d_plain)
+    ew.rmsnorm(d_x, d_w, EPS, d_y, y_hl=d_hl)
+    y = d_y.copy_to_host()
+    _check_rmsnorm_rows(y, x, w64, N)
+    assert np.array_equal(y, d_plain.copy_to_host())
+    assert np.array_equal(d_hl.copy_to_host().view(np.uint64), tc.hilo_np(y))
+    for y_out, bad in ((d_y, dict(y_hl=cuda.to_device(np.zeros((M, N), np.uint16)))),
+                       (cuda.to_device(np.zeros((M, 2 * N), np.uint16)), dict(y_hl=d_hl, hilo=True))):
+        with pytest.raises(ValueError, match="y_hl"):
+            ew.rmsnorm(d_x, d_w, EPS, y_out, **bad)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_rmsnorm_both_sim(rng, wdtype):
+    _check_rmsnorm_both(rng, 3, 40, wdtype)
+
+
 @pytest.mark.kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
@@ -111,6 +138,8 @@ def test_rmsnorm_sliced_views_and_in_place(rng):
 @pytest.mark.parametrize("M", [1, 256])
 def test_rmsnorm_gpu(rng, M, N, extra, wdtype):
     _check_rmsnorm(rng, M=M, N=N, wdtype=wdtype, extra=extra)
+    if not extra:
+        _check_rmsnorm_both(rng, M, N, wdtype)
 
 
 # ---- silu_mul -----------------------------------------------------------------------------------------

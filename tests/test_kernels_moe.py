@@ -16,7 +16,7 @@ import pytest
 from numba import cuda
 
 from kdt.config import preset
-from kdt.kernels import moe
+from kdt.kernels import moe, tc
 from kdt.kernels.common import bf16_bits_to_f32, f32_to_bf16_bits
 from kdt.reference import ops
 from kdt.reference.model import Mlp, MoE
@@ -673,6 +673,51 @@ def test_moe_forward_fragment_order_same_bits(rng, M, D, I, tiles):
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("M,tiles", [(17, "tc_split_hilo"), (11, "tc2_kw1_hilo")])
+def test_moe_forward_shared_fo_b_hl_same_bits(rng, M, tiles):
+    """The shared experts in fragment order (V2Tiles.s_fo: kernel B's shared down; kernel A's shared gate_up where b
+    arrives as hi / lo too, moe_forward(..., b_hl), V2Tiles.xh): the kernels that take them, the layer's bits those of
+    the natural order with float32 b, and against float64. With b_hl kernel A writes no b_perm (left as poisoned),
+    and kernel B reads b_hl: a b_hl of the wrong bits moves the output. reads_b_hilo: where the plan is hi / lo."""
+    cfg = _cfg(**dict(_V2_SKEW, hidden_size=32, moe_intermediate_size=16))  # Is = 32: two tiles of 16
+    w = _layer_weights(rng, cfg)
+    w[PREFIX + "gate.e_score_correction_bias"][0] += 3.0
+    b = _draw_b(rng, cfg, w, M)
+    layer = moe.MoEWeights.from_hf(cfg, w, PREFIX, BF16)
+    assert layer.fragment_order() and layer._sgu_fo is not None
+    fo = replace(V2_SIM_TILES[tiles], tc_fo=True, tc_hilo=True, s_fo=True)
+    d_hl = cuda.to_device(tc.hilo_np(b))
+    scratch = moe.MoEScratch.allocate(cfg, M)
+    names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, fo, b_hl=d_hl)]
+    assert names[0].endswith("_xh_sfo") and names[1].endswith("_sfo"), names
+    names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, fo)]
+    assert "_xh" not in names[0] and "_sfo" not in names[0] and names[1].endswith("_sfo"), names
+
+    def run(t, b_hl=None):
+        scratch = poison_scratch(moe.MoEScratch.allocate(cfg, M))
+        bp = scratch.view("b_perm", np.uint16)
+        bp.copy_to_device(np.full(bp.shape, 0xFFFF, np.uint16))
+        out = cuda.to_device(poisoned((M, cfg.hidden_size)))
+        moe.moe_forward(cuda.to_device(b), layer, scratch, out, M=M, accumulate=False, version=2, tiles=t, b_hl=b_hl)
+        return out.copy_to_host(), bp.copy_to_host()
+
+    natural = replace(fo, tc_fo=False, s_fo=False)
+    want, bp = run(natural)
+    assert not (bp[:M] == 0xFFFF).all()  # (kernel A wrote b_perm)
+    for t, b_hl in ((fo, d_hl), (fo, None)):
+        got, bp = run(t, b_hl)
+        np.testing.assert_array_equal(got, want)
+        assert (bp == 0xFFFF).all() == (b_hl is not None), (t.s_fo, b_hl is not None)
+    assert rel_err(want, MoE(cfg, _rounded(w), PREFIX, np.float64)(b.astype(np.float64))) < BF16_BOUND
+    wrong = tc.hilo_np(b * np.float32(1.5))
+    got, _ = run(fo, cuda.to_device(wrong))
+    assert rel_err(got, want) > 0.1
+    with pytest.raises(ValueError, match="b_hl"):
+        moe.v2_launches(None, layer, scratch, None, M, False, fo, b_hl=cuda.to_device(wrong[:, :4].copy()))
+    assert not moe.reads_b_hilo(M, layer, scratch)  # (the simulator's default tiles: FMA, no hi / lo)
+
+
+@pytest.mark.kernels
 @pytest.mark.parametrize("M,shared", [(21, 2), (41, 0)])
 def test_moe_forward_tiled_gate_up(rng, M, shared):
     """V2Tiles.tiled: kernel B's routed gate_up on the block-tiled GEMM (kdt.kernels.tc_tiled.tiled_gate_up_kernel, a
@@ -776,7 +821,8 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
     # Kimi-K2: 384 experts, top-8, from 72), off with KDT_MOE_TC_M=0; 2 token tiles a pass to 96 tokens, then 4;
     # x hi / lo and short passes fitted (tc_fit), or with KDT_MOE_TC_FIT=0 session 34's: hi / lo at 4 tiles only. A
     # layer with its experts in fragment order (fo, the routed GEMMs then read it: tc_fo): from 8 tokens and 0.75 an
-    # expert (Moonlight from 8, Kimi-K2 from 36); KDT_MOE_TC_FO=0: as without the copy
+    # expert (Moonlight from 8, Kimi-K2 from 36); KDT_MOE_TC_FO=0: as without the copy. With tc_fo the shared experts'
+    # GEMMs read theirs too (s_fo, ``SHARED_FO``; off with KDT_MOE_SHARED_FO=0)
     cases = (("moonlight-16b-a3b", 16, 16, True, False, "auto"), ("kimi-k2", 16, 72, True, False, "auto"),
              ("moonlight-16b-a3b", 0, None, True, False, "auto"), ("moonlight-16b-a3b", 32, 32, False, False, "auto"),
              ("moonlight-16b-a3b", 16, 8, True, True, "auto"), ("kimi-k2", 16, 36, True, True, "1"),
@@ -792,7 +838,7 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
             if first is not None and M >= first:  # tensor cores, kernel C one expert a block
                 hilo = moe.TC_HILO and (fit or M > 96)
                 want = replace(want, tc=2 if M <= 96 else 4, jc=1, tc_hilo=hilo, tc_split=moe.TC_SPLIT, tc_fit=fit,
-                               tc_fo=hilo and mode != "0")
+                               tc_fo=hilo and mode != "0", s_fo=moe.SHARED_FO and hilo and mode != "0")
             assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size, fo) == want, (name, M, fo)
             assert moe.v2_tiles(M, 2, 8, 256, fo).tc == 0  # small models (model_code): the FMA tiles
 
@@ -860,7 +906,9 @@ def _moonlight_layer(moonlight, dtype):
 @pytest.mark.parametrize("M", [1, 8, 16, 64, 128, 256])
 def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     """The Moonlight layer against float64 in its default tiles. In bf16 it keeps its experts' fragment-ordered copy
-    (KDT_MOE_TC_FO=auto: it fits an H100 or H200), which the routed GEMMs read where they run on tensor cores."""
+    (KDT_MOE_TC_FO=auto: it fits an H100 or H200), which the routed GEMMs read where they run on tensor cores, the
+    shared experts' too; where the layer reads b's hi / lo (moe.reads_b_hilo, as the engine gives it), the forward
+    with b_hl gives the bits of the one without."""
     cfg, w, cache = moonlight
     layer, ref, scratch = _moonlight_layer(moonlight, dtype)
     if version == 2 and dtype == BF16 and moe.TC_FO != "0":
@@ -877,6 +925,13 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     err = rel_err(got, want)
     if version == 2 and M * cfg.num_experts_per_tok <= moe.V2_MAX_PAIRS:
         _check_v2_state(cfg, b, w, scratch, M)
+    if version == 2 and moe.reads_b_hilo(M, layer, scratch):
+        d_hl = cuda.to_device(tc.hilo_np(b))
+        names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, b_hl=d_hl)]
+        assert moe.SHARED_FO and layer._sgu_fo is not None and names[0].endswith("_xh_sfo"), names
+        out_hl = cuda.to_device(poisoned((M, cfg.hidden_size)))
+        moe.moe_forward(d_b, layer, scratch, out_hl, M=M, accumulate=False, version=version, b_hl=d_hl)
+        np.testing.assert_array_equal(out_hl.copy_to_host(), got)
     dt = _time_forward(layer, scratch, d_b, out, M, version=version)
     print(f"moonlight {np.dtype(dtype).name} M={M} v{version}: rel_err {err:.2e}, {dt * 1e6:.0f} us/forward")
     assert err < bound

@@ -203,6 +203,10 @@ class Buffers:
         self.attn_scratch = cuda.device_array(max(1, attn), np.float32)
         self.attn_sync = cuda.to_device(np.zeros(mla.ATTN_SYNC_WORDS, np.int32))  # the combine in the launch's
         self.moe = moe.MoEScratch.allocate(cfg, M_max) if cfg.n_moe_layers else None
+        # the MoE's input also in the hi / lo layout (its norm writes both; moe.reads_b_hilo), uint16 and uint64 views
+        hl = cfg.n_moe_layers and D % 4 == 0
+        self.a_hl = cuda.device_array((M_max, 2 * D), dtype=np.uint16) if hl else None
+        self.a_hl64 = self.a_hl.view(np.uint64) if hl else None
 
 
 class ForwardGraphs:
@@ -378,11 +382,13 @@ class DecoderStack:
             mla.uv_project(b.o_lat[:M], lw.kv_b_proj, o, stream=s)
             linear(o, lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
             if lw.moe is not None:
-                ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s)
+                hl = b.a_hl is not None and any(moe.reads_b_hilo(m, lw.moe, b.moe) for _, m in chunks)
+                ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s, y_hl=b.a_hl[:M] if hl else None)
                 chosen = set()
                 for j, m in chunks:
                     moe.moe_forward(a[j: j + m], lw.moe, b.moe, x[j: j + m], M=m, accumulate=True, stream=s,
-                                    tee=None if feat is None else feat[j: j + m])
+                                    tee=None if feat is None else feat[j: j + m],
+                                    b_hl=b.a_hl64[j: j + m] if hl else None)
                     if self.record_experts is not None:
                         # from the routing every MoE path writes (the small path groups nothing: no n_active)
                         chosen.update(np.unique(b.moe.topk_idx[:m].copy_to_host()).tolist())

@@ -189,16 +189,18 @@ def embedding(tokens, embed, x, stream=0) -> None:
 
 # ---- rmsnorm ----------------------------------------------------------------------------------------
 @cache
-def _rmsnorm_kernel(dtype, hilo: bool = False):
+def _rmsnorm_kernel(dtype, hilo: bool = False, both: bool = False):
+    """The norm's kernel ``(x, w, eps, y, ncols)``; ``both``: ``(x, w, eps, y, ncols, y_hl)``, y float32 and y_hl its
+    hi / lo layout (uint16 [M, 2 ncols]) written from the same values."""
     load = weight_loader(dtype)
     RED = NORM_THREADS if IS_SIM else WARP
-    HILO = hilo
+    HILO, BOTH = hilo, both
 
-    @cuda.jit
-    def rmsnorm_kernel(x, w, eps, y, ncols):
+    def body(x, w, eps, y, ncols, y_hl):
         """x[M, >= ncols] f32, w[ncols] f32|uint16(bf16), y[M, >= ncols] f32:
         y[m, :ncols] = x[m, :ncols] / sqrt(mean(x[m, :ncols]^2) + eps) * w. grid = M blocks (one per row).
-        ``hilo``: y is uint16 [M, 2 ncols], the tensor cores' hi / lo layout (kdt.kernels.tc.put_hilo).
+        ``hilo``: y is uint16 [M, 2 ncols], the tensor cores' hi / lo layout (kdt.kernels.tc.put_hilo); ``both``:
+        y float32 and y_hl the hi / lo layout of the same values.
         """
         grid_dependency_wait()
         red = cuda.shared.array(RED, float32)
@@ -231,12 +233,23 @@ def _rmsnorm_kernel(dtype, hilo: bool = False):
             if HILO:
                 tc.put_hilo(y, m, j, x[m, j] * inv * load(w[j]))
             else:
-                y[m, j] = x[m, j] * inv * load(w[j])
+                v = x[m, j] * inv * load(w[j])
+                y[m, j] = v
+                if BOTH:
+                    tc.put_hilo(y_hl, m, j, v)
 
-    return rmsnorm_kernel
+    body = cuda.jit(device=True, inline=True)(body)
+    if both:
+        def rmsnorm_kernel(x, w, eps, y, ncols, y_hl):
+            body(x, w, eps, y, ncols, y_hl)
+    else:
+        def rmsnorm_kernel(x, w, eps, y, ncols):
+            body(x, w, eps, y, ncols, y)  # (y_hl: never written)
+    rmsnorm_kernel.__name__ = f"rmsnorm_kernel{'_hilo' if hilo else ''}{'_both' if both else ''}"
+    return cuda.jit(rmsnorm_kernel)
 
 
-def rmsnorm(x, w, eps: float, y, ncols: int | None = None, stream=0, hilo: bool = False) -> None:
+def rmsnorm(x, w, eps: float, y, ncols: int | None = None, stream=0, hilo: bool = False, y_hl=None) -> None:
     """RMSNorm of the first ``ncols`` columns of each row: y[m, :ncols] = x[m, :ncols] * rsqrt(mean(x[m,
     :ncols]^2) + eps) * w[:ncols].
 
@@ -247,6 +260,8 @@ def rmsnorm(x, w, eps: float, y, ncols: int | None = None, stream=0, hilo: bool 
 
     ``hilo``: y is uint16 [M, 2 ncols] (not x), the normalised rows in the tensor cores' hi / lo layout
     (kdt.kernels.tc.XL_HILO: bf16 hi and lo; ncols a multiple of 4), which ``linear_tc`` reads as uint64.
+    ``y_hl`` (not with ``hilo``): uint16 [M, 2 ncols], also written with y's rows in that layout (the MoE's router
+    reads float32 y, its shared experts' and routed gate_up's tensor cores the hi / lo, ``moe_forward(..., b_hl)``).
     """
     M, Nx = x.shape
     ncols = Nx if ncols is None else int(ncols)
@@ -256,9 +271,14 @@ def rmsnorm(x, w, eps: float, y, ncols: int | None = None, stream=0, hilo: bool 
     if hilo and (ncols % 4 or y.shape[1] != 2 * ncols or np.dtype(y.dtype) != np.uint16):
         raise ValueError(f"rmsnorm: the hi / lo layout needs y uint16 [M, 2 ncols], ncols % 4 == 0: y {y.dtype} "
                          f"{tuple(y.shape)}, ncols {ncols}")
+    if y_hl is not None and (hilo or ncols % 4 or tuple(y_hl.shape) != (M, 2 * ncols)
+                             or np.dtype(y_hl.dtype) != np.uint16):
+        raise ValueError(f"rmsnorm: y_hl must be uint16 [M, 2 ncols] beside a float32 y, ncols % 4 == 0: y_hl "
+                         f"{y_hl.dtype} {tuple(y_hl.shape)}, ncols {ncols}, hilo {hilo}")
     if M == 0:
         return
-    _rmsnorm_kernel(np.dtype(w.dtype), bool(hilo))[M, NORM_THREADS, stream](x, w, float(eps), y, ncols)
+    args = (x, w, float(eps), y, ncols) + (() if y_hl is None else (y_hl,))
+    _rmsnorm_kernel(np.dtype(w.dtype), bool(hilo), y_hl is not None)[M, NORM_THREADS, stream](*args)
 
 
 # ---- silu_mul ---------------------------------------------------------------------------------------
@@ -469,6 +489,8 @@ def _register() -> None:
                      name=f"rmsnorm_{dt.__name__}")
         register_ptx(_rmsnorm_kernel(np.dtype(dt), True), (f2, wt[::1], float64, uint16[:, ::1], int64),
                      name=f"rmsnorm_hilo_{dt.__name__}")  # linear's tensor cores after a norm (TC_HILO_X)
+        register_ptx(_rmsnorm_kernel(np.dtype(dt), False, True), (f2, wt[::1], float64, f2, int64, uint16[:, ::1]),
+                     name=f"rmsnorm_both_{dt.__name__}")  # the MoE's input, float32 and hi / lo (moe B_HILO)
     # rmsnorm of a column slice (buf[:, :Rkv]): non-contiguous 'A' layout arrays
     register_ptx(_rmsnorm_kernel(np.dtype(np.float32)), (f2a, f1, float64, f2a, int64),
                  name="rmsnorm_A_layout")

@@ -979,12 +979,13 @@ _V2_CACHE: dict[tuple, object] = {}
 
 
 def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
-                     rt: bool = True, tc: int = 0, tc_split: bool = False, hilo: bool = False):
+                     rt: bool = True, tc: int = 0, tc_split: bool = False, hilo: bool = False, xh: bool = False,
+                     s_fo: bool = False):
     """Kernel A (see the section comment and :func:`_v2_route_body`): block b is role block b."""
-    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, tc, tc_split, hilo)
+    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, tc, tc_split, hilo, xh, s_fo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False, tc, tc_split, hilo)
+    body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False, tc, tc_split, hilo, xh, s_fo)
 
     def kern(b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb):
@@ -995,14 +996,15 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
 
     kern.__name__ = (f"moe2_route_nw{nw}_b{epw_b}_s{epw_s}_nr{nr_s}_tt{tt_s}_u{u_s}_ul{u_l}{'_cs' if cs_s else ''}"
                      f"{'_rt' if rt else ''}{f'_tc{tc}' if tc else ''}{'_split' if tc_split else ''}"
-                     f"{'_hilo' if hilo else ''}")
+                     f"{'_hilo' if hilo else ''}{'_xh' if xh else ''}{'_sfo' if s_fo else ''}")
     k = cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
 
 
 def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: int, u_l: int, cs_s: bool,
-                   rt: bool, sig: bool, tc: int = 0, tc_split: bool = False, hilo: bool = False):
+                   rt: bool, sig: bool, tc: int = 0, tc_split: bool = False, hilo: bool = False, xh: bool = False,
+                   s_fo: bool = False):
     """Kernel A's work as a device function of its role block ``bid`` (cached). Role blocks: nlb logits
     blocks (``_V2_NRL`` gate rows each, the nw warps split D), then the shared gate_up blocks (nw warps x
     nr_s/2 outputs each, all M tokens in tiles of tt_s). ``rt`` (route by token tile): nlb = n_eb
@@ -1014,8 +1016,12 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     n_a - nlb shared gate_up blocks to finish raises the shared flag. ``tc`` (bf16 weights): the shared gate_up
     blocks on tensor cores (16 outputs a block, tc tiles of 8 tokens a pass; see "tensor cores" below), with
     ``tc_split`` one pass a block (cdiv(M, 8 tc) blocks an output tile); ``hilo`` (with ``tc``): b_perm and h_shared
-    are written in the tensor cores' hi / lo layout (their uint16 views; see "tensor cores" below)."""
-    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig, tc, tc_split, hilo)
+    are written in the tensor cores' hi / lo layout (their uint16 views; see "tensor cores" below); ``xh`` (with
+    ``hilo``): b_perm is the caller's hi / lo b (its uint64 view, ``moe_forward(..., b_hl)``), read, not written: the
+    shared gate_up reads it (``s_fo``: sgu in fragment order) instead of splitting float32 b."""
+    if (xh and not (tc and hilo)) or (s_fo and not xh):
+        raise ValueError(f"kernel A: xh needs tc and hilo, s_fo needs xh (tc={tc}, hilo={hilo}, xh={xh}, s_fo={s_fo})")
+    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig, tc, tc_split, hilo, xh, s_fo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if IS_SIM and nw > _V2_RWARPS:
@@ -1037,8 +1043,8 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     mm_s = _v2_mm(EPWS, NRS, TTS, u_s, False, 1, cs_s)
     red_s = _v2_reduce(NRS, TTS)
     pick_s = _v2_pick(NRS, TTS)
-    TCS, TSPLIT, PASS, HILO = tc, tc_split, 8 * tc, hilo
-    gate_up_tc = _tc_gate_up(nw, tc, u_s, cs_s, False, XL_NATURAL, HILO) if tc else None
+    TCS, TSPLIT, PASS, HILO, XH = tc, tc_split, 8 * tc, hilo, xh
+    gate_up_tc = _tc_gate_up(nw, tc, u_s, cs_s, False, XL_HILO if xh else XL_NATURAL, HILO, fo=s_fo) if tc else None
 
     def body(bid, b, gate, bias, logits, b_perm, sgu, h_shared, topk_idx, topk_w, counts, offsets, sorted_rows,
              sorted_slot, pos_of, active, n_active, counter, M, n_group, topk_group, top_k, norm, scale, nlb, n_a,
@@ -1084,10 +1090,10 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
                             s += red2[q, tid]
                         logits[p0 + t, e0 + r] = s
                 cuda.syncthreads()
-            # ---- b -> b_perm (kernel B's activations), spread over the logits blocks ---------------
+            # ---- b -> b_perm (kernel B's activations), spread over the logits blocks (xh: given) ------
             D = b.shape[1]
             Kwb = D // EPWB
-            for i in range(bid * NT + tid, M * D, nlb * NT):
+            for i in range(bid * NT + tid, 0 if XH else M * D, nlb * NT):
                 m = i // D
                 d = i % D
                 if HILO:
@@ -1212,7 +1218,10 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
                     sync_raise(sync, _SYNC_ROUTED)
         elif TCS:  # ---- the same on tensor cores: 16 outputs of Is a block, all M tokens or (split) one pass ----
             o, p0, p1 = _tc_shared_block(bid - nlb, sgu.shape[1] // 2, TC_ROWS, M, TSPLIT, PASS)
-            gate_up_tc(o, sgu, 0, b, p0, p1, counts, h_shared)  # (counts: not read)
+            if XH:
+                gate_up_tc(o, sgu, 0, b_perm, p0, p1, counts, h_shared)  # (counts: not read)
+            else:
+                gate_up_tc(o, sgu, 0, b, p0, p1, counts, h_shared)
         else:
             # ---- shared experts' gate_up: h_shared[m, perm(o)] = silu(g . b_m) * (u . b_m) ------------
             reds = cuda.shared.array(RED_S, float32)
@@ -1320,6 +1329,16 @@ TC_FO = os.environ.get("KDT_MOE_TC_FO", "auto")
 FO_RESERVE = 0.25  # the fraction of the device's memory left free after a layer's fragment-ordered copy (auto)
 TC_FO_MIN_M = int(os.environ.get("KDT_MOE_TC_FO_M", "8"))
 TC_FO_MIN_LOAD = float(os.environ.get("KDT_MOE_TC_FO_LOAD", "0.75"))
+# The shared experts in fragment order too (``V2Tiles.s_fo``; session 48): kernel B's shared down, and kernel A's
+# shared gate_up where the caller gives b in the hi / lo layout (``moe_forward(..., b_hl)``: the engine's norm writes
+# it beside float32 b, which the router keeps). Without b_hl, kernel A's shared gate_up reads float32 b in natural
+# order and splits it (~50 integer instructions a k group) and its logits blocks write b_perm for kernel B; with it
+# both read b_hl and the conversion is gone. Kernel A at 65 tokens was 65.8 us (s30d's Nsight Compute: DRAM 8%, issue
+# 34%), ~61 in the budget-64 step (s45a) for ~23 MB of shared gate_up weights. The same fragments and the same split,
+# so the same bits. Env KDT_MOE_SHARED_FO=0: the shared experts in natural order; KDT_MOE_B_HILO=0: no b_hl from the
+# engine (:func:`reads_b_hilo`).
+SHARED_FO = os.environ.get("KDT_MOE_SHARED_FO", "1") != "0"
+B_HILO = os.environ.get("KDT_MOE_B_HILO", "1") != "0"
 
 
 def fo_fits(nbytes: int, free: int, total: int) -> bool:
@@ -1500,7 +1519,8 @@ def gate_up_rows(nw: int, kw: int, ot: int) -> int:
 
 
 def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd_first: bool, split: bool = False,
-                     hilo: bool = False, kw: int = 0, st: int = 0, ot: int = 1, fit: bool = False, fo: bool = False):
+                     hilo: bool = False, kw: int = 0, st: int = 0, ot: int = 1, fit: bool = False, fo: bool = False,
+                     s_fo: bool = False):
     """Kernel B on tensor cores, as :func:`_v2_gate_up_body` (same arguments): J * ntg routed blocks (slot j = rb //
     ntg, outputs [G x, G x + G) of I, x = rb % ntg, G = 16 ot nw / kw (``_tc_gate_up``'s row groups of ot output
     tiles; kw = 0: G = 16 ot); all the expert's tokens) and cdiv(D, 16 rt) shared-down blocks (rows [16 rt sb, 16 rt
@@ -1508,14 +1528,14 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
     after the routed ones or, with ``sd_first``, before them. ``hilo``: b_perm, h and h_shared in the hi / lo layout
     (b_perm and h_shared read as uint64, h written as uint16). st: the routed gate_up's loads staged
     (``_tc_gate_up``); fit: short passes on fewer token tiles (the routed gate_up and the shared down); fo: wgu in
-    fragment order (the routed gate_up)."""
-    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw, st, ot, fit, fo)
+    fragment order (the routed gate_up); s_fo: sdn in fragment order (the shared down; x hi / lo)."""
+    key = ("B tc body", nw, nt, rt, u, cs, cs_s, sd_first, split, hilo, kw, st, ot, fit, fo, s_fo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     SDF, RS, SPLIT, PASS, G = sd_first, TC_ROWS * rt, split, 8 * nt, gate_up_rows(nw, kw, ot)
     xl = XL_HILO if hilo else XL_PERM
     gate_up = _tc_gate_up(nw, nt, u, cs, True, xl, hilo, kw, st, ot, fit, fo)
-    down = _tc_down(nw, rt, nt, u, cs_s, xl, fit=fit)
+    down = _tc_down(nw, rt, nt, u, cs_s, xl, fit=fit, fo=s_fo)
 
     def body(bid, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn, y_shared, M, ntg,
              J, nb, sync):
@@ -1539,18 +1559,18 @@ def _tc_gate_up_body(nw: int, nt: int, rt: int, u: int, cs: bool, cs_s: bool, sd
 def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs: bool, cs_s: bool,
                        sd_first: bool = False, tc: int = 0, tc_rt: int = 2, tc_split: bool = False,
                        hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_ot: int = 1, tc_fit: bool = False,
-                       tc_fo: bool = False, tc_regs: int = 0):
+                       tc_fo: bool = False, tc_regs: int = 0, s_fo: bool = False):
     """Kernel B (see :func:`_v2_gate_up_body`, with ``tc`` :func:`_tc_gate_up_body`): block b is role block b;
     tc_regs: its register cap a thread on tensor cores (0: ptxas's choice, 128 with tc_ot > 1)."""
     tc_kw = _row_groups(nw, tc_kw)[0]
     regs = (tc_regs or (128 if tc_ot > 1 else 0)) if tc else 0
     key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit,
-           tc_fo, regs)
+           tc_fo, regs, s_fo)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if tc:
         body = _tc_gate_up_body(nw, tc, tc_rt, u, cs, cs_s, sd_first, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit,
-                                tc_fo)
+                                tc_fo, s_fo)
     else:
         body = _v2_gate_up_body(nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, False)
 
@@ -1563,7 +1583,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
                      f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
                      f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
                      f"{f'_st{tc_st}' if tc_st else ''}{f'_ot{tc_ot}' if tc_ot != 1 else ''}{'_fit' if tc_fit else ''}"
-                     f"{'_fo' if tc_fo else ''}{f'_r{tc_regs}' if tc and tc_regs else ''}")
+                     f"{'_fo' if tc_fo else ''}{f'_r{tc_regs}' if tc and tc_regs else ''}{'_sfo' if s_fo else ''}")
     # 2 output tiles a warp: ptxas takes 130 registers (3 blocks an SM), at 128 (4 blocks) it spills 12 bytes
     k = cuda.jit(kern, max_registers=regs) if regs and not IS_SIM else cuda.jit(kern)
     _V2_CACHE[key] = k
@@ -1839,7 +1859,10 @@ class V2Tiles:
     fragment-ordered copy of the experts (``MoEWeights.fragment_order``, ``TC_FO``); with tc_hilo, not staged.
     tc_regs: kernel B's register cap a thread on tensor cores (0: ptxas's choice). At 256 tokens (tc = 4) in fragment
     order ptxas takes 168 (3 blocks of 4 warps an SM); at 128 (4 blocks) it spills 28 bytes. Built, not timed:
-    `scripts/bench_moe.py --sweep`'s tc_regs128.
+    `scripts/bench_moe.py --sweep`'s tc_regs128. s_fo (with tc_fo): the shared experts' GEMMs on their fragment-ordered
+    copy too (kernel B's shared down; kernel A's shared gate_up with xh; ``SHARED_FO``). xh (with tc_hilo; set by
+    :func:`v2_launches` where the caller gives ``b_hl``): b arrives in the hi / lo layout too; kernel A's logits blocks
+    write no b_perm, its shared gate_up and kernel B's routed gate_up read b_hl.
     """
 
     nw: int = 4
@@ -1870,6 +1893,8 @@ class V2Tiles:
     tiled: bool = False
     tc_fo: bool = False
     tc_regs: int = 0
+    s_fo: bool = False
+    xh: bool = False
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -1908,6 +1933,7 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None, fo:
         tiles = _tc_tiles(M)  # jc = 1: a block of kernel C is one expert's pass
         t = replace(t, tc=tiles, jc=1, tc_hilo=TC_HILO and (TC_FIT or tiles == 4), tc_split=TC_SPLIT, tc_fit=TC_FIT)
         t = replace(t, tiled=t.tc_hilo and 0 < TILED_MIN_M <= M, tc_fo=TC_FO != "0" and t.tc_hilo)
+        t = replace(t, s_fo=SHARED_FO and t.tc_fo)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
@@ -1979,17 +2005,16 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     split, hilo, kw, st = bool(tcn) and t.tc_split, t.hilo(epw), t.tc_kw if tcn else 0, t.tc_st if tcn else 0
     fit = bool(tcn) and t.tc_fit and not st  # (staged passes take all tc tiles)
     fo = bool(tcn) and t.tc_fo and hilo and not st
-    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo),
+    xh, s_fo = hilo and t.xh, fo and t.s_fo
+    return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo, xh, xh and s_fo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
-                               kw, st, t.tc_ot if tcn else 1, fit, fo, t.tc_regs),
+                               kw, st, t.tc_ot if tcn else 1, fit, fo, t.tc_regs, s_fo),
             _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, fit, fo))
 
 
-def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
-                tee=None) -> list[V2Launch]:
-    """Version 2's launches for M tokens, in order (see the "version 2" section): A, B, C, or AB, C
-    (``V2Tiles.ab``, where the scratch has ``sync``). tee[>= M, D] f32: kernel C also writes the final out
-    rows there (see :func:`moe_forward`)."""
+def _v2_plan(L, S, M: int, tiles: V2Tiles | None = None, b_hl: bool = False) -> V2Tiles:
+    """The launch shape version 2 runs at M tokens: ``tiles`` (default :func:`v2_tiles`) less what the layer, the
+    scratch or the caller cannot give it (b_hl: the caller gives b in the hi / lo layout too, ``V2Tiles.xh``)."""
     E, k, I, D = L.E, L.top_k, L.I, L.D
     t = tiles or v2_tiles(M, k, E, D, fo=L._gu_fo is not None and TC_FO != "0")
     if t.ab and S.sync is None:
@@ -2002,8 +2027,23 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         t = replace(t, tiled=False)
     if t.tc_fo and (L._gu_fo is None or not t.hilo(L._epw) or t.tc_st):  # (the layer kept no fragment-ordered copy)
         t = replace(t, tc_fo=False)
+    if t.s_fo and (L._sgu_fo is None or not t.tc_fo):  # (no shared experts, or no copy of them)
+        t = replace(t, s_fo=False)
+    return replace(t, xh=bool(b_hl) and t.hilo(L._epw) and not t.ab)
+
+
+def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = None,
+                tee=None, b_hl=None) -> list[V2Launch]:
+    """Version 2's launches for M tokens, in order (see the "version 2" section): A, B, C, or AB, C
+    (``V2Tiles.ab``, where the scratch has ``sync``). tee[>= M, D] f32: kernel C also writes the final out
+    rows there (see :func:`moe_forward`). b_hl: b's hi / lo layout (uint64 [>= M, D / 2]), read where the plan's
+    GEMM inputs are hi / lo (``V2Tiles.xh``), else not."""
+    E, k, I, D = L.E, L.top_k, L.I, L.D
+    t = _v2_plan(L, S, M, tiles, b_hl is not None)
     gu, dn = (L._gu_fo, L._dn_fo) if t.tc_fo else (L._gu, L._dn)
     ka, kb, kc = _v2_kernels(t, L._epw)
+    if t.xh and (np.dtype(b_hl.dtype) != np.uint64 or b_hl.shape[0] < M or b_hl.shape[1] != D // 2):
+        raise ValueError(f"v2_launches: b_hl must be uint64 [>= {M}, {D // 2}], got {b_hl.dtype} {tuple(b_hl.shape)}")
     J = min(E, M * k)
     has_shared = L._sgu is not None
     nlb = cdiv(E, _V2_NRL) * (cdiv(M, t.tt_s) if t.rt else 1)
@@ -2011,7 +2051,8 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
         Is = L._sgu.shape[1] // 2
         passes = cdiv(M, 8 * t.tc) if t.tc and t.tc_split else 1  # shared GEMM blocks per output tile
         nsg = cdiv(Is, TC_ROWS) * passes if t.tc else cdiv(cdiv(Is, t.nr // 2), t.nw)
-        sgu, sdn, hs = L._sgu, L._sdn, S.h_shared
+        sgu = L._sgu_fo if t.s_fo and t.xh else L._sgu  # (kernel A's fragment order wants b_hl's hi / lo)
+        sdn = L._sdn_fo if t.s_fo else L._sdn
         nsd = cdiv(D, TC_ROWS * t.tc_rt) * passes if t.tc else cdiv(cdiv(D, t.nr), t.nw)
     else:
         nsg = nsd = 0
@@ -2022,13 +2063,14 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
     def x_out(name: str):  # a tensor-core GEMM input as its producer writes it (hi / lo: the uint16 view)
         return S.view(name, np.uint16) if hilo else getattr(S, name)
 
-    def x_in(name: str):  # ... as the GEMM reads it (hi / lo: the uint64 view)
-        return S.view(name, np.uint64) if hilo else getattr(S, name)
+    def x_in(name: str):  # ... as the GEMM reads it (hi / lo: the uint64 view; b_perm: the caller's b_hl with xh)
+        return b_hl if t.xh and name == "b_perm" else S.view(name, np.uint64) if hilo else getattr(S, name)
 
     a = V2Launch("A route+shared_gate_up", ka, nlb + nsg, t.nw * WARP, nlb, (
-        b, L._gate, L.bias, S.logits, x_out("b_perm"), sgu, x_out(hs), S.topk_idx, S.topk_w, S.counts, S.offsets,
-        S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter, int(M), int(L.n_group),
-        int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor), int(nlb)))
+        b, L._gate, L.bias, S.logits, x_in("b_perm") if t.xh else x_out("b_perm"), sgu, x_out(hs), S.topk_idx,
+        S.topk_w, S.counts, S.offsets, S.sorted_rows, S.sorted_slot, S.pos_of, S.active, S.n_active, S.counter,
+        int(M), int(L.n_group), int(L.topk_group), int(k), bool(L.norm_topk_prob), float(L.routed_scaling_factor),
+        int(nlb)))
     ntg = cdiv(I, gate_up_rows(t.nw, t.tc_kw, t.tc_ot)) if t.tc else cdiv(cdiv(I, t.nr // 2), t.nw)
     jb = 0 if t.tiled else J  # kernel B's routed slots (tiled: none, launch G below takes the routed gate_up)
     bb = V2Launch("B shared_down" if t.tiled else "B gate_up+shared_down", kb, jb * ntg + nsd, t.nw * WARP,
@@ -2054,8 +2096,9 @@ def v2_launches(b, L, S, out, M: int, accumulate: bool, tiles: V2Tiles | None = 
     return [a, bb, c]
 
 
-def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Tiles | None, tee=None) -> None:
-    for launch in v2_launches(b, L, S, out, M, accumulate, tiles, tee):
+def _moe_forward_v2(b, L, S, out, M: int, accumulate: bool, stream, tiles: V2Tiles | None, tee=None,
+                    b_hl=None) -> None:
+    for launch in v2_launches(b, L, S, out, M, accumulate, tiles, tee, b_hl):
         launch(stream)
 
 
@@ -2359,16 +2402,20 @@ class MoEWeights:
         self._sgu = _words(_as3(self.shared_gate_up))[0] if self.shared_gate_up is not None else None
         self._sdn = _words(_as3(self.shared_down))[0] if self.shared_down is not None else None
         self._gate = _words(_as3(self.gate_w))[0]
-        self._gu_fo = self._dn_fo = None
-        if TC_FO == "1" or (TC_FO == "auto" and self.D > _SMALL_D and not IS_SIM
-                            and fo_fits(self._gu.nbytes + self._dn.nbytes, *cuda.current_context().get_memory_info())):
+        self._gu_fo = self._dn_fo = self._sgu_fo = self._sdn_fo = None
+        shared = 0 if self._sgu is None else self._sgu.nbytes + self._sdn.nbytes
+        if TC_FO == "1" or (TC_FO == "auto" and self.D > _SMALL_D and not IS_SIM and fo_fits(
+                self._gu.nbytes + self._dn.nbytes + shared, *cuda.current_context().get_memory_info())):
             self.fragment_order()
 
     def fragment_order(self, stream=0) -> bool:
         """Keep a fragment-ordered copy of the routed experts (kdt.kernels.tc, ``V2Tiles.tc_fo``) where they are bf16
-        and their shapes allow it (I and D multiples of 16); True if the layer has one."""
+        and their shapes allow it (I and D multiples of 16), and of the shared experts beside it where theirs do
+        (``V2Tiles.s_fo``); True if the layer has the routed one."""
         if self._gu_fo is None and self._epw == 4 and self.I % TC_ROWS == 0 and self.D % TC_ROWS == 0:
             self._gu_fo, self._dn_fo = tc.to_fo(self._gu, stream), tc.to_fo(self._dn, stream)
+            if self._sgu is not None and (self._sgu.shape[1] // 2) % TC_ROWS == 0:
+                self._sgu_fo, self._sdn_fo = tc.to_fo(self._sgu, stream), tc.to_fo(self._sdn, stream)
         return self._gu_fo is not None
 
     @property
@@ -2470,6 +2517,21 @@ def _fits_fused_kernels(L: MoEWeights) -> bool:
     return same_dtype and L.E <= E_MAX and L.top_k <= K_MAX and L.n_group <= G_MAX
 
 
+def _path(L: MoEWeights, S: MoEScratch, M: int, version: int | None = None) -> int:
+    """The version :func:`moe_forward` runs at M tokens: 3 (the small-layer path), 2 or 1."""
+    use_small = version == 3 if version is not None else SMALL
+    if use_small and _small_supported(L, S, M):
+        return 3
+    use_v2 = version in (2, 3) if version is not None else (VERSION == 2 and M <= V2_MAX_M)
+    return 2 if use_v2 and _v2_supported(L, S, M) else 1
+
+
+def reads_b_hilo(M: int, L: MoEWeights, S: MoEScratch) -> bool:
+    """:func:`moe_forward`'s default at M tokens reads ``b_hl`` if given (``B_HILO``; version 2 with its GEMM inputs
+    in the hi / lo layout): the engine's norm then writes it."""
+    return B_HILO and _path(L, S, M) == 2 and _v2_plan(L, S, M, None, True).xh
+
+
 def _v2_supported(L: MoEWeights, S: MoEScratch, M: int) -> bool:
     """Version 2 runs this layer at M tokens (else version 1 does)."""
     return (M * L.top_k <= V2_MAX_PAIRS and S.counter is not None and S.tickets is not None
@@ -2488,7 +2550,7 @@ def token_chunks(M: int, top_k: int) -> list[tuple[int, int]]:
 
 def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = None,
                 accumulate: bool = True, stream=0, version: int | None = None,
-                tiles: V2Tiles | None = None, tee=None) -> None:
+                tiles: V2Tiles | None = None, tee=None, b_hl=None) -> None:
     """out[M, D] (+)= moe(b[M, D]) (SPEC section 1) entirely on the GPU, no host synchronisation.
 
     ``version`` (default: the small-layer path where it applies (``SMALL``, env ``KDT_MOE_SMALL``), else
@@ -2505,7 +2567,9 @@ def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = 
     Grids depend only on M and the config, so the sequence can be captured in a CUDA graph per M.
     b[>= M, D] f32, out[>= M, D] f32. tee[>= M, D] f32: also receives the final out rows (the engine's
     feature copy, in kernel C's launch); version 1 (and the v2 fallback) writes it with a copy launch
-    after the layer.
+    after the layer. b_hl: b[:M] also in the tensor cores' hi / lo layout (uint64 [>= M, D / 2],
+    ``kdt.kernels.elementwise.rmsnorm(..., y_hl=)``), read where version 2's GEMMs take hi / lo x
+    (:func:`reads_b_hilo` says where; elsewhere unread).
     """
     M = b.shape[0] if M is None else int(M)
     if M > scratch.M_max:
@@ -2517,13 +2581,12 @@ def moe_forward(b, layer: MoEWeights, scratch: MoEScratch, out, M: int | None = 
     L, S = layer, scratch
     if L.n_group > 1 and (L.E % L.n_group or L.E // L.n_group < 2 or not 1 <= L.topk_group <= L.n_group):
         raise ValueError(f"moe_forward: E={L.E}, n_group={L.n_group}, topk_group={L.topk_group}")
-    use_small = version == 3 if version is not None else SMALL
-    if use_small and _small_supported(L, S, M):
+    path = _path(L, S, M, version)
+    if path == 3:
         _moe_forward_small(b, L, S, out, M, accumulate, stream, tee)
         return
-    use_v2 = version in (2, 3) if version is not None else (VERSION == 2 and M <= V2_MAX_M)
-    if use_v2 and _v2_supported(L, S, M):
-        _moe_forward_v2(b, L, S, out, M, accumulate, stream, tiles, tee)
+    if path == 2:
+        _moe_forward_v2(b, L, S, out, M, accumulate, stream, tiles, tee, b_hl)
         return
     E, k, I, D = L.E, L.top_k, L.I, L.D
     P = M * k
@@ -2589,7 +2652,9 @@ def _register() -> None:
               + [v2_tiles(8, 8, fo=True)]  # the experts in fragment order from TC_FO_MIN_M tokens
               + [replace(_v2_tiles_by_m(1, 8), tc=2, jc=1, tc_hilo=True, tc_split=True, tc_fit=True, tc_fo=True)]
               # ... below it (s43a: KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0)
-              + [v2_tiles(M, 2, 8, 256) for M in (17, 65)])  # model_code (the small-model rules)
+              + [v2_tiles(M, 2, 8, 256) for M in (17, 65)]  # model_code (the small-model rules)
+              + [replace(v2_tiles(M, 8), xh=True) for M in (16, 64, 256)]  # b_hl from the engine's norm (B_HILO)
+              + [replace(v2_tiles(64, 8), xh=True, s_fo=False)])  # ... with the shared experts in natural order
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
 
@@ -2597,9 +2662,11 @@ def _register() -> None:
         return tuple(at.get(i, ty) for i, ty in enumerate(sig))
 
     sigs_hilo = (put(sig_a, {4: h16, 6: h16}), put(sig_b, {0: h64, 2: h16, 8: h64}), put(sig_c, {0: h64}))
+    sigs_xh = (put(sig_a, {4: h64, 6: h16}),) + sigs_hilo[1:]  # (kernel A reads b_hl, uint64)
     for epw in (2, 4):
         for t in shapes:
-            kernels = list(zip(_v2_kernels(t, epw), sigs_hilo if t.hilo(epw) else (sig_a, sig_b, sig_c), strict=True))
+            sigs = (sigs_xh if t.xh else sigs_hilo) if t.hilo(epw) else (sig_a, sig_b, sig_c)
+            kernels = list(zip(_v2_kernels(t, epw), sigs, strict=True))
             for kern, sig in kernels + ([(_v2_ab_kernel(t, epw), sig_ab)] if t.ab else []):
                 if id(kern) not in seen:  # the factories cache: one object per launch shape
                     seen.add(id(kern))
