@@ -1757,12 +1757,8 @@ s48a)  # session 48, issue 7: the shared experts in fragment order (moe.SHARED_F
     -k "(test_moe_forward_moonlight and bf16-2) or rmsnorm_gpu"
   tparts 200 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options"
   verify_beside_tparts 100 1 moe engine ;;
-s48c)  # s48a trimmed to ~5 minutes (the device time left short), by priority: the budget-64 oracle step with both undone,
-  # the gpu tests beside kdt verify, then the layer at 65 tokens
-  step profile_shared ${PROFILE_TIMEOUT:-200} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
-    --drafter oracle --budget 64 --launches none --ab kdt.kernels.moe.B_HILO=0,kdt.kernels.moe.SHARED_FO=0 \
-    --json "$OUT/profile-graphs-$day-moonlight-b64-shared-s48c.json"
-  grep -h "==\|step\|forward\|empty\|build\|B_HILO\|Error\|error" "$OUT/profile_shared.log" | cut -c1-150 | tail -n 20
+s48c)  # s48a trimmed to ~4 minutes (the device time left short), by priority: the gpu tests beside kdt verify, the
+  # layer at 65 tokens with both undone, then the budget-64 oracle step with both undone (cut where the call ends)
   tparts 150 moe tests/test_kernels_moe.py tests/test_kernels_elementwise.py \
     -k "(test_moe_forward_moonlight and bf16-2) or (rmsnorm_gpu and 2048)"
   tparts 150 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay"
@@ -1770,7 +1766,11 @@ s48c)  # s48a trimmed to ~5 minutes (the device time left short), by priority: t
   step moe_shared ${MOE_TIMEOUT:-150} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 \
     --previous --only "v2,shared_natural,s47_no_b_hl" --parts --jobs 8 \
     --json "$OUT/moe-shared-fo-$day-moonlight-s48c.json"
-  grep -h "moonlight" "$OUT/moe_shared.log" | grep -v compiled | cut -c1-150 ;;
+  grep -h "moonlight" "$OUT/moe_shared.log" | grep -v compiled | cut -c1-150
+  step profile_shared ${PROFILE_TIMEOUT:-200} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
+    --drafter oracle --budget 64 --launches none --ab kdt.kernels.moe.B_HILO=0,kdt.kernels.moe.SHARED_FO=0 \
+    --json "$OUT/profile-graphs-$day-moonlight-b64-shared-s48c.json"
+  grep -h "==\|step\|forward\|empty\|build\|B_HILO\|Error\|error" "$OUT/profile_shared.log" | cut -c1-150 | tail -n 20 ;;
 s48b)  # session 48: kdt bench on the final code (after s48a), JSON named by the mode
   step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-$MODE.json" \
