@@ -13,9 +13,9 @@ shapes beside the default (``kdt.kernels.moe.V2Tiles``) so one run picks the bes
 version 2's launches as growing prefixes of the forward, each launch's first role
 (``moe.V2Launch.head``: A's router logits + routing tail without the shared gate_up, B's routed
 gate_up without the shared down) before the whole launch: the increments say where the forward's
-time goes. Version 2's forwards get b's hi / lo layout (``b_hl``, as the engine's norm writes it) unless a
-variant's name says ``no_b_hl``. Every new launch shape compiles its kernels first (5-65 s each), outside the timed
-region;
+time goes. Version 2's forwards get b's hi / lo layout (``b_hl``) where the engine's norm would write it
+(``moe.reads_b_hilo``) or a variant's name says ``b_hl``, unless it says ``no_b_hl``. Every new launch shape
+compiles its kernels first (5-65 s each), outside the timed region;
 ``--jobs N`` compiles them first in N processes at once into kdt's disk cache (kdt.kernels.jit_cache), from
 which the timing process then loads them (a sweep's compiles otherwise run one after another). ``--ncu`` times
 nothing: each variant runs once to compile, then once between cuda.profile_start / profile_stop, for Nsight
@@ -87,13 +87,17 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
         old.append(("A_tiles_by_M", r(t, tt_s=by_m.tt_s, cs_s=by_m.cs_s)))
     if t.s_fo:  # session 48: the shared experts in fragment order, b's hi / lo from the caller
         old += [("shared_natural", r(t, s_fo=False)), ("no_b_hl", t), ("s47_no_b_hl", r(t, s_fo=False))]
+    elif t.tc_fo:  # ... where the defaults have them off (moe.SHARED_FO, moe.B_HILO)
+        old += [("shared_fo_b_hl", r(t, s_fo=True)), ("shared_fo_no_b_hl", r(t, s_fo=True)), ("b_hl", t)]
     return old
 
 
-def b_hl_for(vname: str, version: int, b):
-    """The b_hl a variant's forward gets: b's hi / lo layout (as the engine's norm writes it) for version 2, unless
-    the name says ``no_b_hl`` (moe_forward reads it only where its plan takes hi / lo x)."""
-    if version != 2 or "no_b_hl" in vname:
+def b_hl_for(vname: str, version: int, b, layer, scratch):
+    """The b_hl a variant's forward gets (version 2): b's hi / lo layout where the engine's norm would write it
+    (``moe.reads_b_hilo``), or as the name says (``no_b_hl``: none; ``b_hl``: given; moe_forward reads it only where
+    its plan takes hi / lo x)."""
+    M = b.shape[0]
+    if version != 2 or "no_b_hl" in vname or not ("b_hl" in vname or moe.reads_b_hilo(M, layer, scratch)):
         return None
     return cuda.to_device(tc.hilo_np(b.copy_to_host()))
 
@@ -149,7 +153,7 @@ def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> l
     """Version 2's launches timed as growing prefixes of the forward (A's head, A, A + B's head, A + B,
     A + B + C; the head of a launch is its first role alone, ``moe.V2Launch.head``). Prefixes, not
     launches alone: alone, a launch would re-read weights that the L2 (60 MB) still holds."""
-    launches = moe.v2_launches(b, layer, scratch, out, M, accumulate=False, b_hl=b_hl_for("v2", 2, b))
+    launches = moe.v2_launches(b, layer, scratch, out, M, accumulate=False, b_hl=b_hl_for("v2", 2, b, layer, scratch))
     rows, prev = [], 0.0
     for n, ln in enumerate(launches):
         for part, grid in (("head", ln.head), ("whole", ln.grid)):
@@ -201,7 +205,7 @@ def _compile_worker(job) -> str:
     for vname, version, tiles in variants_for(M, cfg, layer, scratch, sweep, only):
         if vname in names:
             moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles,
-                            b_hl=b_hl_for(vname, version, b))
+                            b_hl=b_hl_for(vname, version, b, layer, scratch))
     cuda.synchronize()
     return f"{name} M={M} {','.join(names)}"
 
@@ -229,7 +233,7 @@ def profile_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, only
     for M in Ms:
         b, out = rand((M, cfg.hidden_size)), cuda.device_array((M, cfg.hidden_size), np.float32)
         for vname, version, tiles in variants_for(M, cfg, layer, scratch, sweep, only):
-            b_hl = b_hl_for(vname, version, b)
+            b_hl = b_hl_for(vname, version, b, layer, scratch)
             for profiled in (False, True):
                 if profiled:
                     cuda.profile_start()
@@ -255,7 +259,7 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: fl
         us_v1 = None
         for vname, version, tiles in variants_for(M, cfg, layer, scratch, sweep, only):
             t0 = time.perf_counter()
-            b_hl = b_hl_for(vname, version, b)
+            b_hl = b_hl_for(vname, version, b, layer, scratch)
             moe.moe_forward(b, layer, scratch, out, M=M, accumulate=False, version=version, tiles=tiles, b_hl=b_hl)
             got = out.copy_to_host()  # compiles (first use) and checks, untimed
             n_active = int(scratch.n_active.copy_to_host()[0])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1739,43 +1739,47 @@ s47b)  # next session, issue 7: linear_tc's 4 warps past TC_WIDE_BLOCKS blocks (
     --json "$OUT/profile-graphs-$day-moonlight-b64-wide-s47b.json"
   grep -h "==\|step\|forward\|empty\|build\|WIDE\|Error\|error" "$OUT/profile_wide.log" | cut -c1-150 | tail -n 20
   wait; echo "pytest wide:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_wide.log" | cut -c1-300 ;;
-s48a)  # session 48, issue 7: the shared experts in fragment order (moe.SHARED_FO) and b's hi / lo from the engine's
-  # norm (moe.B_HILO: kernel A's shared gate_up on it, no b_perm conversion): the Moonlight MoE layer at 16 / 65
-  # / 256 tokens with each undone (bench_moe --previous --only, --parts: A's head and A), the budget-64 oracle step
-  # with each undone (profile_graphs --ab), then the gpu tests (the Moonlight layer with and without b_hl, rmsnorm's
-  # two outputs, the engine's invariant) beside kdt verify
+s48a)  # next session, issue 7: the shared experts in fragment order (moe.SHARED_FO) and b's hi / lo from the engine's
+  # norm (moe.B_HILO: kernel A's shared gate_up on it, no b_perm conversion), both off until timed: the Moonlight MoE
+  # layer at 16 / 65 / 256 tokens with each on (bench_moe --previous --only, --parts: A's head and A), the budget-64
+  # oracle step with each on (profile_graphs --ab), then the gpu tests with both on (the Moonlight layer with and
+  # without b_hl, rmsnorm's two outputs, the engine's invariant) beside kdt verify
   step moe_shared ${MOE_TIMEOUT:-260} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 16,65,256 \
-    --previous --only "v2,shared_natural,no_b_hl,s47_no_b_hl" --parts --jobs 8 \
+    --previous --only "v2,shared_fo_b_hl,shared_fo_no_b_hl,b_hl" --parts --jobs 8 \
     --json "$OUT/moe-shared-fo-$day-moonlight-s48a.json"
   grep -h "moonlight" "$OUT/moe_shared.log" | grep -v compiled | cut -c1-150
   step profile_shared ${PROFILE_TIMEOUT:-230} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
-    --drafter oracle --budget 64 --launches none --ab kdt.kernels.moe.B_HILO=0 \
-    --ab kdt.kernels.moe.B_HILO=0,kdt.kernels.moe.SHARED_FO=0 \
+    --drafter oracle --budget 64 --launches none --ab kdt.kernels.moe.SHARED_FO=1 \
+    --ab kdt.kernels.moe.B_HILO=1,kdt.kernels.moe.SHARED_FO=1 \
     --json "$OUT/profile-graphs-$day-moonlight-b64-shared-s48a.json"
   grep -h "==\|step\|forward\|empty\|build\|B_HILO\|Error\|error" "$OUT/profile_shared.log" | cut -c1-150 | tail -n 20
+  export KDT_MOE_SHARED_FO=1 KDT_MOE_B_HILO=1
   tparts 200 moe tests/test_kernels_moe.py tests/test_kernels_elementwise.py \
     -k "(test_moe_forward_moonlight and bf16-2) or rmsnorm_gpu"
   tparts 200 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options"
   verify_beside_tparts 100 1 moe engine ;;
-s48c)  # s48a trimmed to ~4 minutes (the device time left short), by priority: the gpu tests beside kdt verify, the
-  # layer at 65 tokens with both undone, then the budget-64 oracle step with both undone (cut where the call ends)
-  tparts 150 moe tests/test_kernels_moe.py tests/test_kernels_elementwise.py \
-    -k "(test_moe_forward_moonlight and bf16-2) or (rmsnorm_gpu and 2048)"
-  tparts 150 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay"
-  verify_beside_tparts 100 1 moe engine
-  step moe_shared ${MOE_TIMEOUT:-150} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 \
-    --previous --only "v2,shared_natural,s47_no_b_hl" --parts --jobs 8 \
-    --json "$OUT/moe-shared-fo-$day-moonlight-s48c.json"
-  grep -h "moonlight" "$OUT/moe_shared.log" | grep -v compiled | cut -c1-150
-  step profile_shared ${PROFILE_TIMEOUT:-200} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
-    --drafter oracle --budget 64 --launches none --ab kdt.kernels.moe.B_HILO=0,kdt.kernels.moe.SHARED_FO=0 \
-    --json "$OUT/profile-graphs-$day-moonlight-b64-shared-s48c.json"
-  grep -h "==\|step\|forward\|empty\|build\|B_HILO\|Error\|error" "$OUT/profile_shared.log" | cut -c1-150 | tail -n 20 ;;
+s48c|s48d)  # (s48d: its tests and verify alone) s48a trimmed to ~4 minutes, by priority: the gpu tests with both on beside kdt verify, the layer at 65 tokens
+  # with both on, then the budget-64 oracle step with both on (cut where the call ends)
+  ( export KDT_MOE_SHARED_FO=1 KDT_MOE_B_HILO=1
+    tparts 150 moe tests/test_kernels_moe.py tests/test_kernels_elementwise.py \
+      -k "(test_moe_forward_moonlight and bf16-2) or (rmsnorm_gpu and 2048)"
+    tparts 150 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay"
+    verify_beside_tparts 100 1 moe engine )
+  if [ "$MODE" = s48c ]; then
+    step moe_shared ${MOE_TIMEOUT:-150} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 \
+      --previous --only "v2,shared_fo_b_hl" --parts --jobs 8 --json "$OUT/moe-shared-fo-$day-moonlight-s48c.json"
+    grep -h "moonlight" "$OUT/moe_shared.log" | grep -v compiled | cut -c1-150
+    step profile_shared ${PROFILE_TIMEOUT:-200} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
+      --drafter oracle --budget 64 --launches none --ab kdt.kernels.moe.B_HILO=1,kdt.kernels.moe.SHARED_FO=1 \
+      --json "$OUT/profile-graphs-$day-moonlight-b64-shared-s48c.json"
+    grep -h "==\|step\|forward\|empty\|build\|B_HILO\|Error\|error" "$OUT/profile_shared.log" | cut -c1-150 \
+      | tail -n 20
+  fi ;;
 s48b)  # session 48: kdt bench on the final code (after s48a), JSON named by the mode
   step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-$MODE.json" \
     && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

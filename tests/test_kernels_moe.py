@@ -906,9 +906,9 @@ def _moonlight_layer(moonlight, dtype):
 @pytest.mark.parametrize("M", [1, 8, 16, 64, 128, 256])
 def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     """The Moonlight layer against float64 in its default tiles. In bf16 it keeps its experts' fragment-ordered copy
-    (KDT_MOE_TC_FO=auto: it fits an H100 or H200), which the routed GEMMs read where they run on tensor cores, the
-    shared experts' too; where the layer reads b's hi / lo (moe.reads_b_hilo, as the engine gives it), the forward
-    with b_hl gives the bits of the one without."""
+    (KDT_MOE_TC_FO=auto: it fits an H100 or H200), which the routed GEMMs read where they run on tensor cores, and
+    the shared experts' beside it: where the plan takes hi / lo x, the forward with the shared experts in fragment
+    order and b_hl (V2Tiles.s_fo, xh; moe.SHARED_FO, B_HILO) gives the bits of the default's."""
     cfg, w, cache = moonlight
     layer, ref, scratch = _moonlight_layer(moonlight, dtype)
     if version == 2 and dtype == BF16 and moe.TC_FO != "0":
@@ -925,13 +925,17 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     err = rel_err(got, want)
     if version == 2 and M * cfg.num_experts_per_tok <= moe.V2_MAX_PAIRS:
         _check_v2_state(cfg, b, w, scratch, M)
-    if version == 2 and moe.reads_b_hilo(M, layer, scratch):
+    plan = moe._v2_plan(layer, scratch, M) if version == 2 else None
+    if plan is not None and plan.hilo() and plan.tc_fo:  # the shared experts in fragment order and b_hl, on by force
+        on = replace(plan, s_fo=True)
         d_hl = cuda.to_device(tc.hilo_np(b))
-        names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, M, False, b_hl=d_hl)]
-        assert moe.SHARED_FO and layer._sgu_fo is not None and names[0].endswith("_xh_sfo"), names
+        launches = moe.v2_launches(None, layer, scratch, None, M, False, on, b_hl=d_hl)
+        names = [ln.kernel.py_func.__name__ for ln in launches]
+        assert layer._sgu_fo is not None and names[0].endswith("_xh_sfo") and "_sfo" in names[1], names
         out_hl = cuda.to_device(poisoned((M, cfg.hidden_size)))
-        moe.moe_forward(d_b, layer, scratch, out_hl, M=M, accumulate=False, version=version, b_hl=d_hl)
+        moe.moe_forward(d_b, layer, scratch, out_hl, M=M, accumulate=False, version=2, tiles=on, b_hl=d_hl)
         np.testing.assert_array_equal(out_hl.copy_to_host(), got)
+        assert moe.reads_b_hilo(M, layer, scratch) == moe.B_HILO
     dt = _time_forward(layer, scratch, d_b, out, M, version=version)
     print(f"moonlight {np.dtype(dtype).name} M={M} v{version}: rel_err {err:.2e}, {dt * 1e6:.0f} us/forward")
     assert err < bound
