@@ -2654,8 +2654,8 @@ def _register() -> None:
               + [replace(_v2_tiles_by_m(1, 8), tc=2, jc=1, tc_hilo=True, tc_split=True, tc_fit=True, tc_fo=True)]
               # ... below it (s43a: KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)]  # model_code (the small-model rules)
-              + [replace(v2_tiles(M, 8), xh=True) for M in (16, 64, 256)]  # b_hl from the engine's norm (B_HILO)
-              + [replace(v2_tiles(64, 8), xh=True, s_fo=False)])  # ... with the shared experts in natural order
+              + [replace(v2_tiles(M, 8), xh=True, s_fo=True) for M in (16, 64, 256)]  # b_hl from the norm (B_HILO)
+              + [replace(v2_tiles(64, 8), xh=True, s_fo=False), replace(v2_tiles(64, 8), s_fo=True)])  # ... alone
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
 
