@@ -270,8 +270,8 @@ def main(argv=None) -> int:
                     "TC_PLANS (e.g. the token tiles a block at 65 tokens: '2,4,2,8,8;2,3,2,8,8')")
     ap.add_argument("--tiled", action="store_true", help="instead: the tensor-core warp tile against the block-tiled "
                     "GEMM (kdt.kernels.tc_tiled) at --M")
-    ap.add_argument("--tiled-plans", default="", metavar="WN,WM,RT,TT,ST;..", help="--tiled: also time the tiled GEMM "
-                    "(hi / lo x) with each of these plans")
+    ap.add_argument("--tiled-plans", default="", metavar="WN,WM,RT,TT,ST[,PRE];..", help="--tiled: also time the tiled "
+                    "GEMM (hi / lo x) with each of these plans (PRE 1: the copies' offsets once, tc_tiled.PRE)")
     ap.add_argument("--layers", default="", metavar="NAME,..", help="--tiled: these layers only (e.g. lm_head)")
     args = ap.parse_args(argv)
     if args.tiled:

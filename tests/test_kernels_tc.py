@@ -193,22 +193,27 @@ def test_fragment_order_layout(rng):
         tc.fo_np(W[:, :24])
 
 
-def _tiled(rng, M, N, K, plan, xl, accumulate):
+def _tiled(rng, M, N, K, plan, xl, accumulate, plans=()):
     """kdt.kernels.tc_tiled on fresh inputs (y poisoned, or random and accumulated into); (rel_err, rel_err with bf16
-    x) against float64 on the bf16 weights."""
+    x) against float64 on the bf16 weights. ``plans``: also run at each of these, its y the bits of ``plan``'s."""
     from kdt.kernels import tc_tiled
 
     W = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
     bits = f32_to_bf16_bits(W)
     X = rng.standard_normal((M, K)).astype(np.float32)
     y0 = rng.standard_normal((M, N)).astype(np.float32) if accumulate else poisoned((M, N))
-    y = cuda.to_device(y0)
-    tc_tiled.tiled_gemm(cuda.to_device(tc.hilo_np(X) if xl == HILO else X), cuda.to_device(bits), y, accumulate,
-                        plan_=plan)
+    x, w = cuda.to_device(tc.hilo_np(X) if xl == HILO else X), cuda.to_device(bits)
+    outs = []
+    for p in (plan, *plans):
+        y = cuda.to_device(y0)
+        tc_tiled.tiled_gemm(x, w, y, accumulate, plan_=p)
+        outs.append(y.copy_to_host())
+    for other in outs[1:]:
+        np.testing.assert_array_equal(other, outs[0])
     Wseen = bf16_bits_to_f32(bits).astype(np.float64)
     ref = X.astype(np.float64) @ Wseen.T + (y0 if accumulate else 0.0)
     x_bf16 = bf16_bits_to_f32(f32_to_bf16_bits(X)).astype(np.float64)
-    return rel_err(y.copy_to_host(), ref), rel_err(x_bf16 @ Wseen.T, ref)
+    return rel_err(outs[0], ref), rel_err(x_bf16 @ Wseen.T, ref)
 
 
 @pytest.mark.kernels
@@ -226,6 +231,23 @@ def test_tc_tiled_gemm(rng, M, N, K, plan, xl, accumulate):
     err, err_bf16_x = _tiled(rng, M, N, K, plan, xl, accumulate)
     assert err < BOUND, f"rel_err {err:.3g}"
     assert err_bf16_x > 10 * BOUND  # the bound tells a kernel without the lo half of x
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,N,K,plan,xl", [
+    (13, 40, 64, (1, 2, 1, 1, 2), HILO),  # as test_tc_tiled_gemm's first case
+    (21, 24, 128, (1, 2, 1, 2, 3), NAT),  # float32 x: its source offsets move 32 words a step
+    (11, 40, 96, (1, 3, 1, 1, 2), HILO),  # 96 threads for 64 weight copies: the last threads copy no weights
+    (7, 56, 64, (3, 1, 1, 1, 3), NAT),  # 96 threads for 64 x copies; 48 rows a block past N = 56
+])
+def test_tc_tiled_gemm_pre_same_bits(rng, M, N, K, plan, xl):
+    """kdt.kernels.tc_tiled.PRE: each thread's copy offsets computed before the k loop give the bits of the copies
+    computed at every step (the same copies), and the float64 bound, at plans whose copies do not divide evenly over
+    the block's threads."""
+    if not IS_SIM:
+        pytest.skip("simulator shapes (the GPU's are in test_tc_tiled_gemm_gpu)")
+    err, _ = _tiled(rng, M, N, K, (*plan, 0), xl, False, plans=[(*plan, 1)])
+    assert err < BOUND, f"rel_err {err:.3g}"
 
 
 @pytest.mark.kernels
@@ -271,8 +293,12 @@ def test_linear_tc_takes_the_tiled_gemm_from_tiled_min_m(rng, monkeypatch):
     (37, 1000, 1024, HILO),  # ragged M and N
 ])
 def test_tc_tiled_gemm_gpu(rng, M, N, K, xl):
-    """The block-tiled GEMM at its default plans (kdt.kernels.tc_tiled.plan) against float64, y accumulated into."""
-    err, _ = _tiled(rng, M, N, K, None, xl, accumulate=True)
+    """The block-tiled GEMM at its default plans (kdt.kernels.tc_tiled.plan) against float64, y accumulated into; with
+    each thread's copy offsets computed once (tc_tiled.PRE switched) the same bits."""
+    from kdt.kernels import tc_tiled
+
+    plan = tc_tiled.plan(M)
+    err, _ = _tiled(rng, M, N, K, None, xl, accumulate=True, plans=[(*plan, not tc_tiled.PRE)])
     assert err < k_bound(K), f"rel_err {err:.3g}"
 
 

@@ -72,14 +72,16 @@ def shared_words(wn: int, wm: int, rt: int, tt: int, st: int) -> int:
     return st * (2 * BN * 4 + 2 * BM * 4 * 2)
 
 
-def tiled_gemm_kernel(wn: int, wm: int, rt: int, tt: int, st: int, xl: int = XL_HILO):
+def tiled_gemm_kernel(wn: int, wm: int, rt: int, tt: int, st: int, xl: int = XL_HILO, pre: bool | None = None):
     """The kernel ``(X, W, y, accumulate)``: X uint64 [M, K / 2] (``xl`` XL_HILO) or float32 [M, K] (XL_NATURAL),
     W uint64 [N, K / 4] (bf16 [N, K] viewed), y float32 [M, N]; grid (cdiv(M, BM), cdiv(N, BN)) (a weight tile's
     token blocks neighbours, so they meet its weights in L2), wn * wm warps, :func:`shared_words` x 8 bytes of
-    dynamic shared memory (see the module docstring)."""
+    dynamic shared memory (see the module docstring). ``pre`` (default ``PRE``): each thread's copy offsets computed
+    once, before the k loop (:func:`_pre_copies`), not at every step."""
+    pre = PRE if pre is None else bool(pre)
     if xl not in (XL_HILO, XL_NATURAL) or st < 2 or min(wn, wm, rt, tt) < 1:
         raise ValueError(f"tiled_gemm_kernel: bad plan wn={wn} wm={wm} rt={rt} tt={tt} st={st} xl={xl}")
-    key = (wn, wm, rt, tt, st, xl)
+    key = (wn, wm, rt, tt, st, xl, pre)
     if key in _CACHE:
         return _CACHE[key]
     WN, RT, TT, ST, HILO = wn, rt, tt, st, xl == XL_HILO
@@ -106,7 +108,8 @@ def tiled_gemm_kernel(wn: int, wm: int, rt: int, tt: int, st: int, xl: int = XL_
             soff = min(m, M - 1) * Kx + ((kt * 8 + c) * 2 if HILO else kt * BK + 4 * c)
             cp_async16(sm, doff, X, soff, 16 if m < M else 0)
 
-    k = jit_source(_source(WN, RT, TT, ST, HILO, BN, BM, XOFF), "tiled_gemm", _namespace(issue, ST, NW), __name__)
+    k = jit_source(_source(WN, RT, TT, ST, HILO, BN, BM, XOFF, NTH if pre else 0), "tiled_gemm",
+                   _namespace(issue, ST, NW), __name__)
     k.plan, k.tile, k.smem = key, (BN, BM), shared_words(wn, wm, rt, tt, st) * 8
     _CACHE[key] = k
     return k
@@ -115,6 +118,7 @@ def tiled_gemm_kernel(wn: int, wm: int, rt: int, tt: int, st: int, xl: int = XL_
 def _namespace(issue, ST: int, NW: int) -> dict:
     """The generated kernels' globals."""
     return dict(cuda=cuda, math=math, float32=float32, uint32=uint32, int64=int64, uint64=uint64, issue=issue,
+                cp_async16=cp_async16,
                 wait=cp_async_wait(ST - 2), commit=cp_async_commit, mma=mma_bf16, split=split_bf16x2,
                 f32=f32_from_bits, put_hilo=put_hilo, LO=_LO, S32=_S32, FRAG=frag_shape(NW))
 
@@ -173,19 +177,25 @@ def gate_up_plan(M: int, top_k: int, E: int) -> tuple[int, int, int, int]:
 
 def _emit_steps(s, RT, TT, ST, HILO, BN, BM, XOFF, issue, row0) -> None:
     """Emit the accumulators c0 .. = 0 and the k loop: the ring's first ST - 1 copies, then each step's wait, next
-    copies and mma from its stage (``issue(kt, slot)``: the issue call's source; ``row0(i)``: the block row of this
-    warp's row tile i, an expression)."""
+    copies and mma from its stage (``issue(kt, slot)``: the issue's source, a line or a list of lines; ``row0(i)``:
+    the block row of this warp's row tile i, an expression)."""
     for q in range(RT * TT * 4):
         s(f"c{q} = float32(0.0)")
+
+    def emit_issue(kt: str, slot: str) -> None:
+        code = issue(kt, slot)
+        for line in [code] if isinstance(code, str) else code:
+            s(line)
+
     with s.block(f"for kt0 in range({ST - 1}):  # the ring's first stages"):
         with s.block("if kt0 < nk:"):
-            s(issue("kt0", "kt0"))
+            emit_issue("kt0", "kt0")
         s("commit()")
     with s.block("for kt in range(nk):"):
         s("wait()  # this thread's copies of step kt have landed")
         s("cuda.syncthreads()  # everyone's have, and everyone is done with the stage the next copies overwrite")
         with s.block(f"if kt + {ST - 1} < nk:"):
-            s(issue(f"kt + {ST - 1}", f"(kt + {ST - 1}) % {ST}"))
+            emit_issue(f"kt + {ST - 1}", f"(kt + {ST - 1}) % {ST}")
         s("commit()")
         s(f"slot = kt % {ST}")
         for kb in range(2):  # (unsigned shared offsets: no negative-index wrap-around selects a load)
@@ -231,9 +241,36 @@ def _emit_prologue(s, doc: str) -> None:
         s("frag = int64(0)")
 
 
-def _source(WN, RT, TT, ST, HILO, BN, BM, XOFF) -> str:
+def _pre_copies(s, HILO, BN, BM, XOFF, NTH) -> list[str]:
+    """Emit, before the k loop, this thread's copy offsets (names p..., apart from the kernel's) of the GEMM's steps
+    (``PRE``), and return the issue's lines for a step ``{kt}`` into stage ``{slot}`` (str.format fields). A thread's
+    copies are fixed positions of the tile: weight copy q is row tid // 4 + q NTH / 4, 16 bytes c = tid % 4 of its 64;
+    x copy q is token tid // 8 + q NTH / 8, 16 bytes c = tid % 8 of its 128. Its source offset moves by the step's
+    words (8 a weight row; 16 a hi / lo token, 32 a float32 one), its destination by the stage's. The same copies as
+    ``issue`` in the same order: the same bits."""
+    lines = []
+    for a, arr, per, first, bound, stride, col, dst, stage, step in (  # the weight tile's copies, then x's
+            ("w", "W", 4, "n0", "N", "Kw", "2 * pcw", f"((pcw // 2) * {BN} + prw) * 4 + 2 * (pcw % 2)", 2 * BN * 4, 8),
+            ("x", "X", 8, "m0", "M", "Kx", f"{2 if HILO else 4} * pcx",
+             f"{XOFF} + (((pcx // 4) * {BM} + prx) * 4 + pcx % 4) * 2", 2 * BM * 8, 16 if HILO else BK)):
+        n = (BN if a == "w" else BM) * per  # 16-byte copies a step
+        s(f"pc{a} = tid % {per}")
+        s(f"pr{a} = tid // {per}")
+        s(f"p{a}d = {dst}  # the destination of copy 0 in stage 0")
+        for q in range(cdiv(n, NTH)):
+            s(f"p{a}r{q} = {first} + pr{a} + {q * NTH // per}")
+            s(f"p{a}s{q} = int64(min(p{a}r{q}, {bound} - 1)) * {stride} + {col}")
+            s(f"p{a}n{q} = 16 if p{a}r{q} < {bound} else 0")
+            guard = "" if (q + 1) * NTH <= n else f"if tid < {n - q * NTH}: "
+            lines.append(f"{guard}cp_async16(sm, {{slot}} * {stage} + p{a}d + {q * NTH}, {arr}, p{a}s{q} + {{kt}} * "
+                         f"{step}, p{a}n{q})")
+    return lines
+
+
+def _source(WN, RT, TT, ST, HILO, BN, BM, XOFF, PRE_NTH: int = 0) -> str:
     """The GEMM kernel's source, every tile loop written out (Numba's unroller left the 8-token-tile plan's
-    accumulators in local memory)."""
+    accumulators in local memory); PRE_NTH (the block's threads): the copies at offsets computed once
+    (:func:`_pre_copies`), else by ``issue`` at every step."""
     s = Src()
     with s.block("def tiled_gemm(X, W, y, accumulate):"):
         _emit_prologue(s, "y[M, N] (+)= X W^T")
@@ -246,9 +283,12 @@ def _source(WN, RT, TT, ST, HILO, BN, BM, XOFF) -> str:
         s(f"n0 = cuda.blockIdx.y * {BN}")
         s(f"wr0 = (warp % {WN}) * {16 * RT}  # this warp's first row and token in the block's tile")
         s(f"tk0 = (warp // {WN}) * {8 * TT}")
-        _emit_steps(s, RT, TT, ST, HILO, BN, BM, XOFF,
-                    lambda kt, slot: f"issue(sm, W, X, {kt}, {slot}, n0, m0, N, M, Kw, Kx, tid)",
-                    lambda i: f"wr0 + {16 * i}")
+        if PRE_NTH:
+            lines = _pre_copies(s, HILO, BN, BM, XOFF, PRE_NTH)
+            issue = lambda kt, slot: [ln.format(kt=f"({kt})", slot=f"({slot})") for ln in lines]  # noqa: E731
+        else:
+            issue = lambda kt, slot: f"issue(sm, W, X, {kt}, {slot}, n0, m0, N, M, Kw, Kx, tid)"  # noqa: E731
+        _emit_steps(s, RT, TT, ST, HILO, BN, BM, XOFF, issue, lambda i: f"wr0 + {16 * i}")
         for q, i, r, tk in _acc_places(RT, TT):
             s(f"row = n0 + wr0 + {16 * i + r} + g")
             s(f"m = m0 + tk0 + {tk} + 2 * t")
@@ -307,6 +347,12 @@ def _gate_up_source(WN, TT, ST, BN, BM, XOFF) -> str:
 # 571.3 with (8, 1, 2, 9, 4); 64 tokens 654.2 -> 574.5; the 128-row plan with 4 / 6 / 8 stages 635.2 / 673.1 /
 # 632.5 at 65; 4 warps of 128 rows by 72 tokens 708.2. Env KDT_TILED_WIDE_M (0: 128 rows at every M).
 WIDE_MAX_M = int(os.environ.get("KDT_TILED_WIDE_M", "72"))
+# Each thread's cp.async offsets computed once, before the k loop (:func:`_pre_copies`; session 48), not at every
+# step from its thread index. sm_90 SASS of the (8, 1, 2, 9, 4) plan's k loop (`scripts/sass_loops.py tc_tiled`): 1130
+# instructions for 72 HMMA, most of them the 8 copies' integer address work (~330 IMAD, 80 LEA, 60 ISETP, 40 SEL for 8
+# LDGSTS): a warp issues about as much as its mma take, with two warps a scheduler (one block an SM at ~250 registers)
+# to hide it. The same copies, so the same bits. Off until timed on a GPU (env KDT_TILED_PRE=1: on).
+PRE = os.environ.get("KDT_TILED_PRE", "0") != "0"
 
 
 def plan(M: int) -> tuple[int, int, int, int, int]:
@@ -323,7 +369,8 @@ def plan(M: int) -> tuple[int, int, int, int, int]:
 
 def tiled_gemm(X, W, y, accumulate: bool = False, stream=0, plan_: tuple | None = None) -> None:
     """``y[M, N] (+)= X W^T`` on the tiled kernel: X uint64 [M, K / 2] (hi / lo) or float32 [M, K], W bf16 (uint16)
-    [N, K] C-contiguous with K % 32 == 0, y float32 [M, N]; ``plan_`` overrides :func:`plan`."""
+    [N, K] C-contiguous with K % 32 == 0, y float32 [M, N]; ``plan_`` overrides :func:`plan`
+    ((wn, wm, rt, tt, st), or with a sixth element ``pre``)."""
     from kdt.kernels.common import allow_dynamic_shared
 
     M, N = y.shape
@@ -336,7 +383,8 @@ def tiled_gemm(X, W, y, accumulate: bool = False, stream=0, plan_: tuple | None 
                          f"{tuple(y.shape)}")
     if M == 0 or N == 0:
         return
-    k = tiled_gemm_kernel(*(plan_ or plan(M)), XL_HILO if hilo else XL_NATURAL)
+    p = tuple(plan_ or plan(M))
+    k = tiled_gemm_kernel(*p[:5], XL_HILO if hilo else XL_NATURAL, pre=bool(p[5]) if len(p) > 5 else None)
     BN, BM = k.tile
     args = (X, W.view(np.uint64).reshape(N, K // 4), y, bool(accumulate))
     allow_dynamic_shared(k, args, k.smem)
@@ -347,11 +395,17 @@ def _register() -> None:
     from numba import boolean
 
     f32_2 = float32[:, ::1]
-    for p, xl, xt in (((4, 2, 2, 1, 3), XL_HILO, uint64[:, ::1]), ((4, 2, 2, 4, 3), XL_HILO, uint64[:, ::1]),
-                      ((4, 2, 2, 8, 3), XL_HILO, uint64[:, ::1]), ((4, 2, 2, 4, 3), XL_NATURAL, f32_2),
-                      ((8, 1, 2, 9, 4), XL_HILO, uint64[:, ::1])):  # (float32 x at 8 token tiles: ~110 s to compile)
-        register_ptx(tiled_gemm_kernel(*p, xl), (xt, uint64[:, ::1], f32_2, boolean),
-                     name="tc_tiled[wn={},wm={},rt={},tt={},st={}".format(*p) + f"{',hilo' if xl == XL_HILO else ''}]")
+    for p, xl, xt, pre in (((4, 2, 2, 1, 3), XL_HILO, uint64[:, ::1], False),
+                           ((4, 2, 2, 4, 3), XL_HILO, uint64[:, ::1], False),
+                           ((4, 2, 2, 8, 3), XL_HILO, uint64[:, ::1], False),
+                           ((4, 2, 2, 4, 3), XL_NATURAL, f32_2, False),  # (float32 x at 8 token tiles: ~110 s)
+                           ((8, 1, 2, 9, 4), XL_HILO, uint64[:, ::1], False),
+                           ((8, 1, 2, 9, 4), XL_HILO, uint64[:, ::1], True),  # the copies' offsets once (PRE)
+                           ((4, 2, 2, 8, 3), XL_HILO, uint64[:, ::1], True),
+                           ((4, 2, 2, 4, 3), XL_NATURAL, f32_2, True)):
+        register_ptx(tiled_gemm_kernel(*p, xl, pre), (xt, uint64[:, ::1], f32_2, boolean),
+                     name="tc_tiled[wn={},wm={},rt={},tt={},st={}".format(*p)
+                     + f"{',hilo' if xl == XL_HILO else ''}{',pre' if pre else ''}]")
     i32 = int32[::1]
     for tt in (1, 2, 3):  # the MoE's routed gate_up (Moonlight at 65 / 128 / 256 tokens: gate_up_plan)
         register_ptx(tiled_gate_up_kernel(4, 2, tt, 3), (uint64[:, ::1], uint64[:, :, ::1], uint16[:, ::1], i32, i32,
