@@ -200,9 +200,8 @@ def _rmsnorm_kernel(dtype, hilo: bool = False, both: bool = False):
         """x[M, >= ncols] f32, w[ncols] f32|uint16(bf16), y[M, >= ncols] f32:
         y[m, :ncols] = x[m, :ncols] / sqrt(mean(x[m, :ncols]^2) + eps) * w. grid = M blocks (one per row).
         ``hilo``: y is uint16 [M, 2 ncols], the tensor cores' hi / lo layout (kdt.kernels.tc.put_hilo); ``both``:
-        y float32 and y_hl the hi / lo layout of the same values.
+        y float32 and y_hl the hi / lo layout of the same values. (The kernel waits for its grid dependency first.)
         """
-        grid_dependency_wait()
         red = cuda.shared.array(RED, float32)
         m = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -241,9 +240,11 @@ def _rmsnorm_kernel(dtype, hilo: bool = False, both: bool = False):
     body = cuda.jit(device=True, inline=True)(body)
     if both:
         def rmsnorm_kernel(x, w, eps, y, ncols, y_hl):
+            grid_dependency_wait()  # (the kernel's own call: PDL launches kernels that make it, common.waits_for_grid)
             body(x, w, eps, y, ncols, y_hl)
     else:
         def rmsnorm_kernel(x, w, eps, y, ncols):
+            grid_dependency_wait()
             body(x, w, eps, y, ncols, y)  # (y_hl: never written)
     rmsnorm_kernel.__name__ = f"rmsnorm_kernel{'_hilo' if hilo else ''}{'_both' if both else ''}"
     return cuda.jit(rmsnorm_kernel)
