@@ -132,6 +132,29 @@ def test_forward_absorb_on_tensor_cores_matches_reference(monkeypatch, rng):
     assert rel_err(out, ref.forward(toks, pos, P, vis)) < 1e-5
 
 
+def _same_logits_switched(rng, switch) -> None:
+    """MICRO's bf16 model built with ``switch(on)`` called first, for on = True and False: the logits of a prefill and
+    of a tree verify the same bits both ways, and the reference's to the bound (bf16 weights). ``switch`` also checks,
+    after the forwards (``switch(on, cm)``), that the switched path ran."""
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    P = 5
+    prompt = rng.integers(0, MICRO.vocab_size, P)
+    vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
+    outs = {}
+    for on in (True, False):
+        switch(on)
+        cm = cuda_model(MICRO, w, "bf16")
+        outs[on] = [np.array(cm.forward(prompt, np.arange(P), 0, causal_block(P))),
+                    np.array(cm.forward(toks, pos, P, vis))]
+        switch(on, cm)
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert np.array_equal(a, b)
+    ref = RefModel(MICRO, w, max_len=40)
+    assert rel_err(outs[True][0], ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
+    assert rel_err(outs[True][1], ref.forward(toks, pos, P, vis)) < 1e-5
+
+
 @sim_only
 def test_forward_o_hilo_keeps_the_bits(monkeypatch, rng):
     """uv_project writing o in the hi / lo layout for o_proj's tensor cores (kdt.engine.cuda_model.O_HILO; on by force
@@ -148,24 +171,15 @@ def test_forward_o_hilo_keeps_the_bits(monkeypatch, rng):
     seen = []
     run = mla.uv_project
     monkeypatch.setattr(mla, "uv_project", lambda o_lat, kv_b, o, **k: seen.append(o.dtype) or run(o_lat, kv_b, o, **k))
-    w = random_weights(MICRO, int(rng.integers(1 << 30)))
-    P = 5
-    prompt = rng.integers(0, MICRO.vocab_size, P)
-    vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
-    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
-    outs = {}
-    for on in (True, False):
-        monkeypatch.setattr(cmod, "O_HILO", on)
-        cm = cuda_model(MICRO, w, "bf16")
-        outs[on] = [np.array(cm.forward(prompt, np.arange(P), 0, causal_block(P))),
-                    np.array(cm.forward(toks, pos, P, vis))]
+
+    def switch(on, cm=None):
+        if cm is None:
+            monkeypatch.setattr(cmod, "O_HILO", on)
+            return
         assert set(seen) == {np.dtype(np.uint64) if on else np.dtype(np.float32)}, on
         seen.clear()
-    for a, b in zip(outs[True], outs[False], strict=True):
-        assert np.array_equal(a, b)
-    ref = RefModel(MICRO, w, max_len=40)
-    assert rel_err(outs[True][0], ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
-    assert rel_err(outs[True][1], ref.forward(toks, pos, P, vis)) < 1e-5
+
+    _same_logits_switched(rng, switch)
 
 
 @sim_only
@@ -185,26 +199,17 @@ def test_forward_moe_b_hilo_keeps_the_bits(monkeypatch, rng):
     seen = []
     run = moe.moe_forward
     monkeypatch.setattr(moe, "moe_forward", lambda *a, **k: seen.append(k.get("b_hl") is not None) or run(*a, **k))
-    w = random_weights(MICRO, int(rng.integers(1 << 30)))
-    P = 5
-    prompt = rng.integers(0, MICRO.vocab_size, P)
-    vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
-    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
-    outs = {}
-    for on in (True, False):
-        monkeypatch.setattr(moe, "B_HILO", on)
-        monkeypatch.setattr(moe, "v2_tiles", lambda *a, on=on, **k: replace(tiles, s_fo=on))
-        cm = cuda_model(MICRO, w, "bf16")
+
+    def switch(on, cm=None):
+        if cm is None:
+            monkeypatch.setattr(moe, "B_HILO", on)
+            monkeypatch.setattr(moe, "v2_tiles", lambda *a, **k: replace(tiles, s_fo=on))
+            return
         assert all(lw.moe is None or lw.moe._sdn_fo is not None for lw in cm.layers)
-        outs[on] = [np.array(cm.forward(prompt, np.arange(P), 0, causal_block(P))),
-                    np.array(cm.forward(toks, pos, P, vis))]
         assert seen and set(seen) == {on}, (on, seen)
         seen.clear()
-    for a, b in zip(outs[True], outs[False], strict=True):
-        assert np.array_equal(a, b)
-    ref = RefModel(MICRO, w, max_len=40)
-    assert rel_err(outs[True][0], ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
-    assert rel_err(outs[True][1], ref.forward(toks, pos, P, vis)) < 1e-5
+
+    _same_logits_switched(rng, switch)
 
 
 @sim_only
