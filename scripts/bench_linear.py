@@ -24,7 +24,9 @@ L2), the default plan against every token tile (1 .. 16), 2 / 4 / 8 warps and th
 picks for each, and prints the best plan per shape and M.
 
 ``--tc`` times v2 against the tensor-core kernel (its default plan, and at the ``--tc`` M every plan of TC_PLANS),
-each also on x in the hi / lo layout (``hilo``: what it reads after a norm, kdt.kernels.linear.TC_HILO_X);
+each also on x in the hi / lo layout (``hilo``: what it reads after a norm, kdt.kernels.linear.TC_HILO_X), and on
+that x with the weights in fragment order (``fo``: linear's fo, kdt.engine.cuda_model.ATTN_FO; its bits checked
+against hilo's);
 ``--jobs N`` first compiles the plans in N processes at once into kdt's disk cache (a plan compiles in seconds,
 the sweep's ~30 one after another in minutes).
 """
@@ -137,6 +139,7 @@ def _compile_plan(plan) -> tuple:
     x, W, y = rand((8, 64)), rand((16, 64), np.uint16), cuda.device_array((8, 16), np.float32)
     lin.linear_tc(x, W, y, plan=plan)
     lin.linear_tc(cuda.device_array((8, 32), np.uint64), W, y, plan=plan)  # x hi / lo
+    lin.linear_tc(cuda.device_array((8, 32), np.uint64), W, y, plan=plan, fo=lin.fragment_order(W))  # W in fo
     cuda.synchronize()
     return plan
 
@@ -149,48 +152,68 @@ def precompile(worker, todo: list, jobs: int, what: str) -> None:
     print(f"compiled {len(done)} {what} in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int]) -> list[dict]:
+def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int], layers=None) -> list[dict]:
     """v2 (FMA) against the tensor-core kernel (its default plan) per shape and M; at ``sweep_Ms`` every plan of
     TC_PLANS too (rt, nt, u, nw, kw: row tiles of 16 a warp, token tiles of 8 a block, words in flight, warps,
-    warps splitting K in a row group)."""
+    warps splitting K in a row group); ``layers``: those layers alone."""
     rows = []
-    print(f"{'shape':34s} {'M':>5s} {'v2 us':>9s} {'tc us':>9s} {'hilo us':>9s} {'v2/tc':>6s} {'tc TF/s':>8s} "
-          f"{'plan':>12s} {'best us':>8s} {'best plan':>12s} {'best hilo':>9s} {'hilo plan':>12s} {'rel diff':>9s}")
+    print(f"{'shape':34s} {'M':>5s} {'v2 us':>9s} {'tc us':>9s} {'hilo us':>9s} {'fo us':>9s} {'v2/tc':>6s} "
+          f"{'tc TF/s':>8s} {'plan':>12s} {'best us':>8s} {'best plan':>12s} {'best hilo':>9s} {'hilo plan':>12s} "
+          f"{'best fo':>8s} {'fo plan':>12s} {'rel diff':>9s}")
     for name in presets:
         for layer, N, K in shapes(name):
+            if layers and layer not in layers:
+                continue
             Ws = [rand((N, K), np.uint16, 1 / np.sqrt(K)) for _ in range(min(16, cdiv(128 << 20, N * K * 2)))]
+            Fs = [lin.fragment_order(W) for W in Ws]  # linear's fo (None where the shape does not take the order)
             for M in Ms:
                 x = rand((M, K))
                 y1, y2 = cuda.device_array((M, N), np.float32), cuda.device_array((M, N), np.float32)
                 xh = cuda.to_device(tc.hilo_np(x.copy_to_host()))  # x as a norm leaves it for the tensor cores
-                y3 = cuda.device_array((M, N), np.float32)
+                y3, y4 = cuda.device_array((M, N), np.float32), cuda.device_array((M, N), np.float32)
+
+                def with_fo(i, plan=None, y=y4, xh=xh, Ws=Ws, Fs=Fs):
+                    lin.linear_tc(xh, Ws[i % len(Ws)], y, plan=plan, fo=Fs[i % len(Ws)])
+
                 f1, f2 = rotating(lin.linear_v2, Ws, x, y1), rotating(lin.linear_tc, Ws, x, y2)
                 f3 = rotating(lin.linear_tc, Ws, xh, y3)
                 us1, us2, us3 = timed(f1, estimate_us(f1)), timed(f2, estimate_us(f2)), timed(f3, estimate_us(f3))
+                fo = Fs[0] is not None
+                us4 = timed(with_fo, estimate_us(with_fo)) if fo else float("nan")
                 lin.linear_v2(x, Ws[0], y1)
                 lin.linear_tc(x, Ws[0], y2)
                 lin.linear_tc(xh, Ws[0], y3)
+                with_fo(0)
                 a = y1.copy_to_host().astype(np.float64)
                 diff = max(float(np.linalg.norm(a - y.copy_to_host()) / max(np.linalg.norm(a), 1e-30))
                            for y in (y2, y3))
+                same_fo = bool(np.array_equal(y3.copy_to_host(), y4.copy_to_host())) if fo else None
                 plan = lin.tc_plan(M, N, K)
-                res, res_h = {plan: us2}, {plan: us3}
+                res, res_h, res_f = {plan: us2}, {plan: us3}, ({plan: us4} if fo else {})
                 if M in sweep_Ms:
                     for p in TC_PLANS:
                         if p != plan:
                             for r, xx in ((res, x), (res_h, xh)):
                                 f = rotating(lin.linear_tc, Ws, xx, y2, plan=p)
                                 r[p] = timed(f, estimate_us(f))
+                            if fo:
+                                f = lambda i, p=p, y=y2: with_fo(i, p, y)  # noqa: E731
+                                res_f[p] = timed(f, estimate_us(f))
                 best, best_h = min(res, key=res.get), min(res_h, key=res_h.get)
+                best_f = min(res_f, key=res_f.get) if fo else None
                 row = dict(preset=name, layer=layer, M=M, N=N, K=K, us_v2=us1, us_tc=us2, us_hilo=us3, plan=plan,
                            best=best, us_best=res[best], best_hilo=best_h, us_best_hilo=res_h[best_h], rel_diff=diff,
-                           TFLOPps_tc=2 * M * N * K / us2 * 1e-6,
+                           TFLOPps_tc=2 * M * N * K / us2 * 1e-6, us_fo=us4 if fo else None, fo_same_bits=same_fo,
+                           best_fo=best_f, us_best_fo=res_f[best_f] if fo else None,
                            sweep={",".join(map(str, p)): u for p, u in res.items()},
-                           sweep_hilo={",".join(map(str, p)): u for p, u in res_h.items()})
+                           sweep_hilo={",".join(map(str, p)): u for p, u in res_h.items()},
+                           sweep_fo={",".join(map(str, p)): u for p, u in res_f.items()})
                 rows.append(row)
-                print(f"{layer + f' N={N} K={K}':34s} {M:5d} {us1:9.1f} {us2:9.1f} {us3:9.1f} {us1 / us2:6.2f} "
-                      f"{row['TFLOPps_tc']:8.1f} {str(plan):>12s} {res[best]:8.1f} {str(best):>12s} "
-                      f"{res_h[best_h]:9.1f} {str(best_h):>12s} {diff:9.1e}", flush=True)
+                print(f"{layer + f' N={N} K={K}':34s} {M:5d} {us1:9.1f} {us2:9.1f} {us3:9.1f} {us4:9.1f} "
+                      f"{us1 / us2:6.2f} {row['TFLOPps_tc']:8.1f} {str(plan):>12s} {res[best]:8.1f} {str(best):>12s} "
+                      f"{res_h[best_h]:9.1f} {str(best_h):>12s} {res_f[best_f] if fo else float('nan'):8.1f} "
+                      f"{str(best_f):>12s} {diff:9.1e}{'' if same_fo in (None, True) else ' FO BITS DIFFER'}",
+                      flush=True)
     return rows
 
 
@@ -272,7 +295,7 @@ def main(argv=None) -> int:
                     "GEMM (kdt.kernels.tc_tiled) at --M")
     ap.add_argument("--tiled-plans", default="", metavar="WN,WM,RT,TT,ST[,PRE];..", help="--tiled: also time the tiled "
                     "GEMM (hi / lo x) with each of these plans (PRE 1: the copies' offsets once, tc_tiled.PRE)")
-    ap.add_argument("--layers", default="", metavar="NAME,..", help="--tiled: these layers only (e.g. lm_head)")
+    ap.add_argument("--layers", default="", metavar="NAME,..", help="--tiled / --tc: these layers only (e.g. lm_head)")
     args = ap.parse_args(argv)
     if args.tiled:
         tplans = [tuple(int(v) for v in p.split(",")) for p in args.tiled_plans.split(";") if p]
@@ -299,7 +322,7 @@ def main(argv=None) -> int:
             precompile(_compile_plan, sorted(default | (set(TC_PLANS) if args.tc else set())), args.jobs,
                        "tensor-core plans")
         rows = bench_tc(args.presets.split(","), [int(m) for m in args.M.split(",") if m],
-                        [int(m) for m in args.tc.split(",") if m])
+                        [int(m) for m in args.tc.split(",") if m], {name for name in args.layers.split(",") if name})
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"tc": rows}, f, indent=1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1789,11 +1789,28 @@ s48e)  # next session, issue 7: the tiled GEMM's copy offsets computed once a bl
   grep -h "==\|step\|forward\|empty\|build\|PRE\|Error\|error" "$OUT/profile_pre.log" | cut -c1-150 | tail -n 20
   tparts 150 tiled tests/test_kernels_tc.py tests/test_kernels_linear.py -k "tc_tiled_gemm_gpu or test_linear_norm_tc_gpu"
   wait; echo "pytest tiled:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_tiled.log" | cut -c1-300 ;;
+s49a)  # session 49, issue 7: the attention's qkv_a / o_proj on fragment-ordered weights (kdt.engine.cuda_model.ATTN_FO,
+  # off until timed) and the tiled GEMM's copy offsets once a block (tc_tiled.PRE, s48e's): their gpu tests (the same
+  # bits both ways) in the background, qkv_a / o_proj at 16 / 65 / 128 / 256 tokens (bench_linear --tc: hilo against
+  # fo), the lm_head at 65 / 128 with PRE plans, then the budget-64 oracle step with each on (profile_graphs)
+  tparts 200 fo tests/test_kernels_linear.py tests/test_kernels_tc.py -k "fo_same_bits_gpu or tc_tiled_gemm_gpu"
+  step attn_fo ${LINEAR_TIMEOUT:-150} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,65,128,256 \
+    --tc 65 --plans '2,3,2,4,4;2,3,2,8,8' --layers qkv_a,o_proj --jobs 8 --json "$OUT/attn-fo-$day-moonlight-s49a.json"
+  grep -h "shape\|N=" "$OUT/attn_fo.log" | cut -c1-200
+  step tiled_pre ${TILED_TIMEOUT:-120} python3 scripts/bench_linear.py --presets moonlight-16b-a3b --M 65,128 \
+    --tiled --layers lm_head --tiled-plans '8,1,2,9,4,1;4,2,2,8,3,1' --jobs 8 \
+    --json "$OUT/lmhead-pre-$day-moonlight-s49a.json"
+  grep -h "shape\|N=\|plan" "$OUT/tiled_pre.log" | cut -c1-160
+  step profile_fo ${PROFILE_TIMEOUT:-240} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b \
+    --drafter oracle --budget 64 --launches none --attn-fo-ab --ab kdt.kernels.tc_tiled.PRE=1 \
+    --json "$OUT/profile-graphs-$day-moonlight-b64-fo-pre-s49a.json"
+  grep -h "==\|step\|forward\|empty\|build\|PRE\|afo\|Error\|error" "$OUT/profile_fo.log" | cut -c1-150 | tail -n 20
+  wait; echo "pytest fo:"; grep -h "^FAILED\|passed\|failed\|rc=" "$OUT/pytest_fo.log" | cut -c1-300 ;;
 s48b)  # session 48: kdt bench on the final code (after s48a), JSON named by the mode
   step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-$MODE.json" \
     && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -21,6 +21,8 @@ with q_absorb's absorb on its FMA kernel where it runs on tensor cores (kdt.kern
 ``--moe-fo-ab``: every MoE layer keeps its experts' fragment-ordered copy (kdt.kernels.moe.MoEWeights.fragment_order),
 and each whole program is also timed with kdt.kernels.moe.TC_FO switched: where it is on (the default) with the
 natural order and the tensor cores from TC_MIN_M tokens (session 43's kernels), where it is off with the copy.
+``--attn-fo-ab``: every layer keeps qkv_a's and o_proj's fragment-ordered copies (kdt.engine.cuda_model.LayerWeights.
+fragment_order), and each whole program is also timed with kdt.engine.cuda_model.ATTN_FO switched.
 ``--tiles-ab``: also with the tensor-core GEMMs' token tiles a block switched (kdt.kernels.tc.TILES_FIT: off, up to
 4 tiles a block past 32 tokens, or on, 3 where they pad less: 65 tokens in blocks of 24). ``--ab
 kdt.kernels.linear.TC_WIDE_BLOCKS=0[,MODULE.NAME=VALUE..]`` (repeatable: a column each): also with those module
@@ -54,6 +56,7 @@ from profile_kernels import PhaseTags, _noop  # noqa: E402  (scripts/, this scri
 
 from kdt.config import preset  # noqa: E402
 from kdt.drafters import OracleDrafter, learned_drafter  # noqa: E402
+from kdt.engine import cuda_model as cmod  # noqa: E402
 from kdt.engine import load_target  # noqa: E402
 from kdt.engine.cuda_model import ForwardGraphs  # noqa: E402
 from kdt.fixture import read_fixture  # noqa: E402
@@ -193,6 +196,9 @@ def main() -> int:
                     help="also time each whole program with the MoE's routed GEMMs on the experts in fragment order "
                     "or, where the default already does, in the natural order (kdt.kernels.moe.TC_FO switched; each "
                     "layer keeps both orders)")
+    ap.add_argument("--attn-fo-ab", action="store_true",
+                    help="also time each whole program with the attention's qkv_a and o_proj on their fragment-ordered "
+                    "copies switched (kdt.engine.cuda_model.ATTN_FO; each layer keeps both orders)")
     ap.add_argument("--tiles-ab", action="store_true",
                     help="also time each whole program with the tensor-core GEMMs' token tiles a block switched "
                     "(kdt.kernels.tc.TILES_FIT)")
@@ -213,6 +219,9 @@ def main() -> int:
     if args.moe_fo_ab:  # (before the warm-up below captures the programs)
         kept = [lw.moe.fragment_order() for lw in target.layers if lw.moe is not None]
         print(f"fragment-ordered experts kept in {sum(kept)} of {len(kept)} MoE layers")
+    if args.attn_fo_ab:
+        kept = [lw.fragment_order() for lw in target.layers]
+        print(f"fragment-ordered qkv_a and o_proj kept in {sum(kept)} of {len(kept)} layers")
     with open(__file__, "rb") as f:
         prompt = [b % cfg.vocab_size for b in f.read(args.prompt_len)]
     if learned:
@@ -279,6 +288,11 @@ def main() -> int:
         fo, other = moe.TC_FO, "0" if moe.TC_FO != "0" else "1"
         switches.append((f"programs_us_moe_fo_{other}", f"fo {other}",
                          lambda on: setattr(moe, "TC_FO", other if on else fo)))
+    if args.attn_fo_ab:
+        afo = cmod.ATTN_FO
+        switches.append((f"programs_us_attn_fo_{int(not afo)}", f"afo {int(not afo)}",
+                         lambda on: setattr(cmod, "ATTN_FO", (not afo) if on else afo)))
+        compile_outside_capture(switches[-1][2])
     if args.tiles_ab:
         fit = tc.TILES_FIT
         switches.append((f"programs_us_tiles_fit_{int(not fit)}", f"fit {int(not fit)}",

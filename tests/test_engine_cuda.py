@@ -132,25 +132,25 @@ def test_forward_absorb_on_tensor_cores_matches_reference(monkeypatch, rng):
     assert rel_err(out, ref.forward(toks, pos, P, vis)) < 1e-5
 
 
-def _same_logits_switched(rng, switch) -> None:
-    """MICRO's bf16 model built with ``switch(on)`` called first, for on = True and False: the logits of a prefill and
-    of a tree verify the same bits both ways, and the reference's to the bound (bf16 weights). ``switch`` also checks,
-    after the forwards (``switch(on, cm)``), that the switched path ran."""
-    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+def _same_logits_switched(rng, switch, cfg=MICRO) -> None:
+    """cfg's (MICRO's) bf16 model built with ``switch(on)`` called first, for on = True and False: the logits of a
+    prefill and of a tree verify the same bits both ways, and the reference's to the bound (bf16 weights). ``switch``
+    also checks, after the forwards (``switch(on, cm)``), that the switched path ran."""
+    w = random_weights(cfg, int(rng.integers(1 << 30)))
     P = 5
-    prompt = rng.integers(0, MICRO.vocab_size, P)
+    prompt = rng.integers(0, cfg.vocab_size, P)
     vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
-    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
+    toks, pos = rng.integers(0, cfg.vocab_size, 3), P + np.array([0, 1, 1])
     outs = {}
     for on in (True, False):
         switch(on)
-        cm = cuda_model(MICRO, w, "bf16")
+        cm = cuda_model(cfg, w, "bf16")
         outs[on] = [np.array(cm.forward(prompt, np.arange(P), 0, causal_block(P))),
                     np.array(cm.forward(toks, pos, P, vis))]
         switch(on, cm)
     for a, b in zip(outs[True], outs[False], strict=True):
         assert np.array_equal(a, b)
-    ref = RefModel(MICRO, w, max_len=40)
+    ref = RefModel(cfg, w, max_len=40)
     assert rel_err(outs[True][0], ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
     assert rel_err(outs[True][1], ref.forward(toks, pos, P, vis)) < 1e-5
 
@@ -180,6 +180,42 @@ def test_forward_o_hilo_keeps_the_bits(monkeypatch, rng):
         seen.clear()
 
     _same_logits_switched(rng, switch)
+
+
+@sim_only
+def test_forward_attn_fo_keeps_the_bits(monkeypatch, rng):
+    """qkv_a and o_proj on their fragment-ordered copies (kdt.engine.cuda_model.ATTN_FO; on by force at a MICRO whose
+    qkv_a has 32 rows (q_lora_rank 12), the tensor cores and the hi / lo norm and o from one token): every layer keeps
+    both copies, linear_tc reads them for both projections, the logits of a prefill and a tree verify the same bits
+    as on the natural order, and the reference's to the bound."""
+    from dataclasses import replace
+
+    from kdt.engine import cuda_model as cmod
+    from kdt.kernels import linear as lin
+    from kdt.kernels import mla
+
+    monkeypatch.setattr(mla, "UV_TC_MIN_M", 1)
+    monkeypatch.setattr(mla, "UV_ROW_PER_WARP_ELEMS", 0)
+    monkeypatch.setattr(lin, "TC_MIN_M", 1)
+    monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(lin, "FUSE_NORM", False)
+    seen = []
+    run = lin.linear_tc
+    monkeypatch.setattr(lin, "linear_tc", lambda x, W, y, *a, fo=None, **k: seen.append(
+        (tuple(W.shape), fo is not None)) or run(x, W, y, *a, fo=fo, **k))
+    cfg = replace(MICRO, q_lora_rank=12)
+
+    def switch(on, cm=None):
+        if cm is None:
+            monkeypatch.setattr(cmod, "ATTN_FO", on)
+            return
+        assert all((lw.qkv_a_fo is not None) == on and (lw.o_proj_fo is not None) == on for lw in cm.layers)
+        D, n_qkv = cfg.hidden_size, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        assert {s for s, f in seen if f} == ({(n_qkv, D), (D, cfg.num_attention_heads * cfg.v_head_dim)} if on
+                                             else set()), (on, seen)
+        seen.clear()
+
+    _same_logits_switched(rng, switch, cfg)
 
 
 @sim_only

@@ -446,6 +446,82 @@ def test_linear_norm_tc_gpu(rng, monkeypatch, M, N, K):
     _check_norm_tc(rng, monkeypatch, M, N, K, True, M == 33)
 
 
+def _check_fo(rng, monkeypatch, M, N, K, plan=None):
+    """linear(..., fo=fragment_order(W)) where the tensor cores take hi / lo x, directly (o_proj's call) and after the
+    norm (qkv_a's): y the same bits as with W alone (NaN-poisoned before each run) and the float64 reference's to the
+    bf16 bound; a fragment order of other weights moves y (the copy is what the kernel reads); float32 x ignores fo."""
+    from kdt.kernels import tc
+
+    W_store, W_seen, _ = _weights(rng, N, K, "bf16")
+    d_W = cuda.to_device(W_store)
+    fo = lin.fragment_order(d_W)
+    assert fo is not None and tuple(fo.shape) == (1, N, K // 4)
+    np.testing.assert_array_equal(fo.copy_to_host(), tc.fo_np(W_store.view(np.uint64).reshape(1, N, K // 4)))
+    if plan is not None:
+        tc_fn = lin.linear_tc
+        monkeypatch.setattr(lin, "linear_tc", lambda *a, **kw: tc_fn(*a, **kw, plan=plan))
+    x = (rng.standard_normal((M, K)) * 2).astype(np.float32)
+    gw = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32)
+    d_xh, d_x, d_gw = cuda.to_device(tc.hilo_np(x)), cuda.to_device(x), cuda.to_device(gw)
+
+    def run(w_fo, hilo=True, norm=False):
+        d_y = cuda.to_device(poisoned((M, N)))
+        if norm:
+            lin.linear(d_x, d_W, d_y, norm=(d_gw, 1e-6, cuda.to_device(poisoned((M, K)))), fo=w_fo)
+        else:
+            lin.linear(d_xh if hilo else d_x, d_W, d_y, fo=w_fo)
+        return d_y.copy_to_host()
+
+    for norm in (False, True):
+        y_fo, y_w = run(fo, norm=norm), run(None, norm=norm)
+        np.testing.assert_array_equal(y_fo, y_w)
+        xr = rmsnorm_ref(x.astype(np.float64), gw, 1e-6) if norm else x.astype(np.float64)
+        assert rel_err(y_fo, linear_ref(xr, W_seen)) < BF16_VS_ROUNDED
+    other = lin.fragment_order(cuda.to_device(_weights(rng, N, K, "bf16")[0]))
+    assert rel_err(run(other), y_w) > 0.1
+    np.testing.assert_array_equal(run(other, hilo=False), run(None, hilo=False))  # float32 x: W, not fo
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,N,K,plan", [
+    (17, 32, 64, None),  # the default plan: 3 token tiles, 8 warps splitting K (some past it)
+    (16, 48, 48, (2, 2, 2, 4, 2)),  # 2 row groups, the last row tile past N; Kw = 12 words: the masked group
+    (16, 16, 32, (1, 1, 1, 2, 2)),
+])
+def test_linear_fo_same_bits_sim(rng, monkeypatch, M, N, K, plan):
+    """linear's ``fo`` (the attention's qkv_a / o_proj in fragment order, kdt.engine.cuda_model.ATTN_FO) at the
+    simulator's shapes: see _check_fo."""
+    monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(lin, "TC_MIN_M", 16)
+    monkeypatch.setattr(lin, "FUSE_NORM", False)
+    _check_fo(rng, monkeypatch, M, N, K, plan)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(16, 3648, 2048), (65, 3648, 2048), (65, 2048, 2048), (256, 3648, 2048),
+                                   (33, 1008, 1008)])
+def test_linear_fo_same_bits_gpu(rng, monkeypatch, M, N, K):
+    """linear's ``fo`` at Moonlight's qkv_a and o_proj (16 / 65 / 256 tokens) and a ragged shape: see _check_fo."""
+    monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(lin, "FUSE_NORM", False)
+    _check_fo(rng, monkeypatch, M, N, K)
+
+
+@pytest.mark.kernels
+def test_linear_fo_rejects_and_declines():
+    """fragment_order declines float32 weights and shapes off the order (N % 16, K % 16); linear_tc rejects an fo
+    of the wrong shape."""
+    assert lin.fragment_order(cuda.to_device(np.zeros((32, 64), np.float32))) is None
+    assert lin.fragment_order(cuda.to_device(np.zeros((36, 64), np.uint16))) is None
+    assert lin.fragment_order(cuda.to_device(np.zeros((32, 56), np.uint16))) is None
+    W = cuda.to_device(np.zeros((32, 64), np.uint16))
+    bad = lin.fragment_order(cuda.to_device(np.zeros((16, 64), np.uint16)))
+    x, y = cuda.to_device(np.zeros((16, 32), np.uint64)), cuda.device_array((16, 32), np.float32)
+    with pytest.raises(ValueError, match="fragment order"):
+        lin.linear_tc(x, W, y, fo=bad)
+
+
 @pytest.mark.kernels
 def test_linear_tc_rules(monkeypatch):
     """Tensor cores for bf16, contiguous, K % 4 == 0, M >= TC_MIN_M and large enough matrices only."""

@@ -30,7 +30,7 @@ from kdt.kernels import attn_tc, mla, moe
 from kdt.kernels import ddtree as kd
 from kdt.kernels import elementwise as ew
 from kdt.kernels.common import IS_SIM, f32_to_bf16_bits, pdl_capture
-from kdt.kernels.linear import linear, uses_tc
+from kdt.kernels.linear import fragment_order, linear, uses_tc
 from kdt.reference.model import layer_prefix
 
 # uv_project writes the attention's output o in the hi / lo layout that o_proj's tensor cores read (the split
@@ -39,6 +39,14 @@ from kdt.reference.model import layer_prefix
 # at 65 tokens 24.8 us on float32 x, 17.3 on hi / lo; at 64 19.9 / 15.2. The budget-64 oracle step (s47b, H200,
 # `scripts/profile_graphs.py --ab kdt.engine.cuda_model.O_HILO=1`): 13475 -> 13283 us. Env KDT_O_HILO=0: off.
 O_HILO = os.environ.get("KDT_O_HILO", "1") != "0"
+
+# The attention's projections qkv_a and o_proj on a fragment-ordered copy of their weights (kdt.kernels.tc's module
+# docstring; ``LayerWeights.fragment_order``, +23 MB a Moonlight layer) where the tensor cores take their hi / lo x:
+# a group's A fragments in one 16-byte load a lane. sm_90 SASS (scripts/sass_loops.py tc_gemm, session 48): the warp
+# tile's loop 119 instructions for 16 HMMA in natural order, 97 for 32 in fragment order; qkv_a and o_proj took ~24
+# and ~17 us a layer at 65 tokens (H100). The same fragments, so the same bits. Built in session 49, off until timed
+# (`scripts/h200_check.sh s49a`). Env KDT_ATTN_FO=1: load the copies and read them.
+ATTN_FO = os.environ.get("KDT_ATTN_FO", "0") != "0"
 
 
 class HostWeights:
@@ -116,6 +124,17 @@ class LayerWeights:
     moe: moe.MoEWeights | None  # MoE layers
     mlp_gate_up: object | None  # dense layers: [1, 2I, D]
     mlp_down: object | None  # dense layers: [1, D, I]
+    qkv_a_fo: object | None = None  # qkv_a in fragment order, uint64 [1, N, D / 4] (ATTN_FO; linear's fo)
+    o_proj_fo: object | None = None  # o_proj in fragment order, uint64 [1, D, H*dv / 4]
+
+    def fragment_order(self, stream=0) -> bool:
+        """Keep fragment-ordered copies of qkv_a and o_proj (kdt.kernels.linear.fragment_order) where they are bf16
+        and their shapes take the order; True if the layer has both."""
+        if self.qkv_a_fo is None:
+            self.qkv_a_fo = fragment_order(self.qkv_a, stream)
+        if self.o_proj_fo is None:
+            self.o_proj_fo = fragment_order(self.o_proj, stream)
+        return self.qkv_a_fo is not None and self.o_proj_fo is not None
 
 
 def stack_rows(*mats):
@@ -157,12 +176,15 @@ def load_layer(cfg: ModelConfig, src, i: int) -> LayerWeights:
         w.update(q_a_layernorm=None, q_b_proj=None)
     Nq = q_w.shape[0]
     qkv_a = stack_rows(q_w, src.matrix(a + "kv_a_proj_with_mqa.weight"))
-    return LayerWeights(
+    lw = LayerWeights(
         **w, qkv_a=qkv_a, q_a_proj=qkv_a[:Nq] if q_lora else None, q_proj=None if q_lora else qkv_a[:Nq],
         kv_a_proj_with_mqa=qkv_a[Nq:], kv_a_layernorm=src.vector(a + "kv_a_layernorm.weight"),
         kv_b_proj=src.matrix(a + "kv_b_proj.weight"), o_proj=src.matrix(a + "o_proj.weight"),
         moe=moe_w, mlp_gate_up=gu, mlp_down=dn,
     )
+    if ATTN_FO:
+        lw.fragment_order()
+    return lw
 
 
 class Buffers:
@@ -362,7 +384,8 @@ class DecoderStack:
             # a feature layer's output rows (the drafter's features) go to feat[j]: written by the MoE's
             # last launch (its tee), after a dense layer by a copy
             feat = self.feat[self.feature_layers.index(i), :M] if i in self.feature_layers else None
-            linear(x, lw.qkv_a, b.qkv[:M], stream=s, norm=(lw.input_layernorm, eps, a))  # [q_a (or q) | c]
+            linear(x, lw.qkv_a, b.qkv[:M], stream=s, norm=(lw.input_layernorm, eps, a),
+                   fo=lw.qkv_a_fo if ATTN_FO else None)  # [q_a (or q) | c]
             qkv = b.qkv[:M]
             if lw.q_proj is None:
                 ew.rmsnorm(qkv[:, : b.Nq], lw.q_a_layernorm, eps, b.qa[:M], stream=s)
@@ -380,7 +403,7 @@ class DecoderStack:
                               max_len=self.max_len, sync=b.attn_sync)
             o = self._o(M, lw)
             mla.uv_project(b.o_lat[:M], lw.kv_b_proj, o, stream=s)
-            linear(o, lw.o_proj, x, accumulate=True, stream=s)  # x += o_proj(o)
+            linear(o, lw.o_proj, x, accumulate=True, stream=s, fo=lw.o_proj_fo if ATTN_FO else None)  # x += o_proj(o)
             if lw.moe is not None:
                 hl = b.a_hl is not None and any(moe.reads_b_hilo(m, lw.moe, b.moe) for _, m in chunks)
                 ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s, y_hl=b.a_hl[:M] if hl else None)

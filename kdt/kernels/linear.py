@@ -758,7 +758,7 @@ def _pair_words(W, kind: str, K: int):
     return W, kind
 
 
-def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> None:
+def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None, fo=None) -> None:
     """``y[M, N] = x[M, K] @ W[N, K]^T``, or ``y += x @ W^T`` with ``accumulate`` (fused residual add).
 
     x: float32 device array [M, K], or uint64 [M, K / 2] in the hi / lo layout where the tensor cores take W
@@ -774,12 +774,15 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> 
     ``glu = a``, float32 scratch [M, K]: x is [M, 2K] = [gate | up] and y (+)= (silu(gate) * up) @ W^T (the
     dense MLP's down projection). With the v2 kernel and a small W (:func:`fuses_glu`) silu * up happens as x
     is staged (one launch); else :func:`kdt.kernels.elementwise.silu_mul` writes a first. Bitwise the same.
+
+    ``fo``: W in the tensor cores' fragment order too (:func:`fragment_order`), read in W's place where the tensor
+    cores take x in the hi / lo layout (:func:`linear_tc`); bitwise the same.
     """
     M = x.shape[0]
     if np.dtype(x.dtype) == np.uint64:
         if norm is not None or glu is not None or not uses_tc(M, W):
             raise ValueError("linear: x in the hi / lo layout needs the tensor cores (uses_tc), without norm or glu")
-        return linear_tc(x, W, y, accumulate, stream)
+        return linear_tc(x, W, y, accumulate, stream, fo=fo)
     v2 = VERSION == "2" and V2_MIN_M <= M <= V2_MAX_M
     if glu is not None:
         if norm is not None:
@@ -797,7 +800,7 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None) -> 
             return linear_v2(x, W, y, accumulate, stream, norm=(gw, eps))
         if TC_HILO_X and uses_tc(M, W) and a.is_c_contiguous():  # the norm writes x as hi / lo (see TC_HILO_X)
             ew.rmsnorm(x, gw, eps, a.view(np.uint16), stream=stream, hilo=True)
-            return linear_tc(a.view(np.uint64), W, y, accumulate, stream)
+            return linear_tc(a.view(np.uint64), W, y, accumulate, stream, fo=fo)
         ew.rmsnorm(x, gw, eps, a, stream=stream)
         x = a
     if uses_tc(M, W):
@@ -830,24 +833,40 @@ def tc_plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     return 2, nt, 4 if M <= 32 else 2, nw, nw
 
 
-def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int, int, int, int] | None = None) -> None:
+def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int, int, int, int] | None = None,
+              fo=None) -> None:
     """:func:`linear` on tensor cores (bf16 W [N, K], K % 4 == 0; :func:`kdt.kernels.tc.gemm_kernel`); x float32
     [M, K], or uint64 [M, K / 2] in the hi / lo layout (kdt.kernels.tc.XL_HILO, e.g. from rmsnorm's ``hilo``);
-    ``plan`` = (rt, nt, u, nw, kw) overrides :func:`tc_plan` (sweeps)."""
+    ``plan`` = (rt, nt, u, nw, kw) overrides :func:`tc_plan` (sweeps). ``fo``: :func:`fragment_order` of W, which
+    the warp tile reads instead of W where x is hi / lo (one 16-byte load a lane for a group's A fragments; the same
+    fragments, so the same bits); the tiled GEMM and float32 x read W."""
     hilo = np.dtype(x.dtype) == np.uint64
     M, K, N = _check_args(x, W, y, hilo=hilo)
     if _weight_kind(W) != "bf16" or K % 4 or not W.is_c_contiguous():
         raise ValueError(f"linear_tc: needs bf16 weights, contiguous, K a multiple of 4 (got {W.dtype} K={K})")
+    if fo is not None and (tuple(fo.shape) != (1, N, K // 4) or np.dtype(fo.dtype) != np.uint64):
+        raise ValueError(f"linear_tc: fo must be W's fragment order, uint64 [1, {N}, {K // 4}], got {fo.dtype} "
+                         f"{tuple(fo.shape)}")
     if M == 0 or N == 0:
         return
     if plan is None and 0 < TILED_MIN_M <= M and N >= TILED_MIN_N and K % tc_tiled.BK == 0 and x.is_c_contiguous():
         tc_tiled.tiled_gemm(x, W, y, accumulate, stream)
         return
     rt, nt, u, nw, kw = plan or tc_plan(M, N, K)
-    kern = tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO if hilo else tc.XL_NATURAL, kw)
+    fo = fo if hilo else None
+    kern = tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO if hilo else tc.XL_NATURAL, kw, fo=fo is not None)
     rows = 16 * rt * (nw // kw)
-    kern[(cdiv(M, 8 * nt), cdiv(N, rows)), nw * WARP, stream](x, W.view(np.uint64).reshape(1, N, K // 4), 0, y,
-                                                              bool(accumulate))
+    Wk = W.view(np.uint64).reshape(1, N, K // 4) if fo is None else fo
+    kern[(cdiv(M, 8 * nt), cdiv(N, rows)), nw * WARP, stream](x, Wk, 0, y, bool(accumulate))
+
+
+def fragment_order(W, stream=0):
+    """A fragment-ordered copy of bf16 W [N, K] for :func:`linear`'s ``fo`` (uint64 [1, N, K / 4];
+    kdt.kernels.tc.to_fo), or None where W is not bf16 or its shape does not take the order (N % 16, K % 16)."""
+    N, K = W.shape
+    if np.dtype(W.dtype) != np.uint16 or K % 4 or not W.is_c_contiguous() or not tc.fits_fo(N, K // 4):
+        return None
+    return tc.to_fo(W.view(np.uint64).reshape(1, N, K // 4), stream)
 
 
 def fuses_norm(N: int, Kw: int, M: int | None = None) -> bool:
@@ -1046,8 +1065,9 @@ def _register() -> None:
                      name=f"linear_v2_glu_{kind}_{TM}x{NR}_u{U}_w{warps}")
     # the tensor-core plans of tc_plan (kdt.kernels.tc registers the gemm's test plans)
     for rt, nt, u, nw, kw in sorted({tc_plan(M, N, 2048) for M in (16, 24, 64, 65) for N in (576, 3648, 163840)}):
-        for xl, xt in ((tc.XL_NATURAL, x2), (tc.XL_HILO, uint64[:, ::1])):
-            register_ptx(tc.gemm_kernel(rt, nt, u, nw, xl, kw), (xt, uint64[:, :, ::1], int64, x2, boolean))
+        for xl, xt, fo in ((tc.XL_NATURAL, x2, False), (tc.XL_HILO, uint64[:, ::1], False),
+                           (tc.XL_HILO, uint64[:, ::1], True)):  # (fo: the weights in fragment order, linear's fo)
+            register_ptx(tc.gemm_kernel(rt, nt, u, nw, xl, kw, fo=fo), (xt, uint64[:, :, ::1], int64, x2, boolean))
 
 
 _register()
