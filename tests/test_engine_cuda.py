@@ -199,6 +199,7 @@ def test_forward_attn_fo_keeps_the_bits(monkeypatch, rng):
     monkeypatch.setattr(lin, "TC_MIN_M", 1)
     monkeypatch.setattr(lin, "TC_MIN_WEIGHTS", 0)
     monkeypatch.setattr(lin, "FUSE_NORM", False)
+    monkeypatch.setattr(lin, "FO_MIN_M", 1)
     seen = []
     run = lin.linear_tc
     monkeypatch.setattr(lin, "linear_tc", lambda x, W, y, *a, fo=None, **k: seen.append(

@@ -449,8 +449,11 @@ def test_linear_norm_tc_gpu(rng, monkeypatch, M, N, K):
 def _check_fo(rng, monkeypatch, M, N, K, plan=None):
     """linear(..., fo=fragment_order(W)) where the tensor cores take hi / lo x, directly (o_proj's call) and after the
     norm (qkv_a's): y the same bits as with W alone (NaN-poisoned before each run) and the float64 reference's to the
-    bf16 bound; a fragment order of other weights moves y (the copy is what the kernel reads); float32 x ignores fo."""
+    bf16 bound; a fragment order of other weights moves y (the copy is what the kernel reads); float32 x ignores fo,
+    and so does linear_tc below FO_MIN_M tokens (lowered to 1 here, then raised past M)."""
     from kdt.kernels import tc
+
+    monkeypatch.setattr(lin, "FO_MIN_M", 1)
 
     W_store, W_seen, _ = _weights(rng, N, K, "bf16")
     d_W = cuda.to_device(W_store)
@@ -480,6 +483,9 @@ def _check_fo(rng, monkeypatch, M, N, K, plan=None):
     other = lin.fragment_order(cuda.to_device(_weights(rng, N, K, "bf16")[0]))
     assert rel_err(run(other), y_w) > 0.1
     np.testing.assert_array_equal(run(other, hilo=False), run(None, hilo=False))  # float32 x: W, not fo
+    if plan is None:  # below FO_MIN_M tokens linear_tc reads W
+        monkeypatch.setattr(lin, "FO_MIN_M", M + 1)
+        np.testing.assert_array_equal(run(other), y_w)
 
 
 @pytest.mark.kernels

@@ -44,9 +44,13 @@ O_HILO = os.environ.get("KDT_O_HILO", "1") != "0"
 # docstring; ``LayerWeights.fragment_order``, +23 MB a Moonlight layer) where the tensor cores take their hi / lo x:
 # a group's A fragments in one 16-byte load a lane. sm_90 SASS (scripts/sass_loops.py tc_gemm, session 48): the warp
 # tile's loop 119 instructions for 16 HMMA in natural order, 97 for 32 in fragment order; qkv_a and o_proj took ~24
-# and ~17 us a layer at 65 tokens (H100). The same fragments, so the same bits. Built in session 49, off until timed
-# (`scripts/h200_check.sh s49a`). Env KDT_ATTN_FO=1: load the copies and read them.
-ATTN_FO = os.environ.get("KDT_ATTN_FO", "0") != "0"
+# and ~17 us a layer at 65 tokens (H100). The same fragments, so the same bits. Measured (session 49, H100): the
+# projections (`scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,65,128,256 --tc 0 --layers qkv_a,o_proj`,
+# hi / lo x, us, natural / fragment order) qkv_a 11.9 / 12.7, 23.6 / 22.4, 35.4 / 23.9, 61.0 / 42.7 at 16 / 65 / 128 /
+# 256 tokens, o_proj 10.5 / 11.9, 17.2 / 13.7, 21.1 / 15.0, 35.2 / 24.2 (below 33 tokens linear_tc keeps the natural
+# order: kdt.kernels.linear.FO_MIN_M); the budget-64 oracle step (s49b, `scripts/profile_graphs.py --attn-fo-ab`)
+# 14913.8 -> 14832.7 us. On by default; env KDT_ATTN_FO=0: no copies.
+ATTN_FO = os.environ.get("KDT_ATTN_FO", "1") != "0"
 
 
 class HostWeights:

@@ -196,6 +196,11 @@ TC_WIDE_BLOCKS = int(os.environ.get("KDT_TC_WIDE_BLOCKS", "264"))
 # and the dense down 105.2 / 71.6 at M = 64 would gain as much, their producers still write float32).
 # Env KDT_LINEAR_HILO_X=0: the norm writes float32.
 TC_HILO_X = os.environ.get("KDT_LINEAR_HILO_X", "1") != "0"
+# linear_tc reads the weights' fragment-ordered copy (``fo``) from FO_MIN_M tokens, where tc_plan's warps keep 2
+# groups in flight; at 16 tokens (4 groups) it read slower (session 49, H100, `scripts/bench_linear.py --tc 0`: qkv_a
+# 11.9 us natural / 12.7 fragment order, o_proj 10.5 / 11.9; at 65 tokens 23.6 / 22.4 and 17.2 / 13.7). Env
+# KDT_LINEAR_FO_M.
+FO_MIN_M = int(os.environ.get("KDT_LINEAR_FO_M", "33"))
 
 
 def _skinny_config(M: int, N: int) -> tuple[int, int, int]:
@@ -838,8 +843,8 @@ def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int,
     """:func:`linear` on tensor cores (bf16 W [N, K], K % 4 == 0; :func:`kdt.kernels.tc.gemm_kernel`); x float32
     [M, K], or uint64 [M, K / 2] in the hi / lo layout (kdt.kernels.tc.XL_HILO, e.g. from rmsnorm's ``hilo``);
     ``plan`` = (rt, nt, u, nw, kw) overrides :func:`tc_plan` (sweeps). ``fo``: :func:`fragment_order` of W, which
-    the warp tile reads instead of W where x is hi / lo (one 16-byte load a lane for a group's A fragments; the same
-    fragments, so the same bits); the tiled GEMM and float32 x read W."""
+    the warp tile reads instead of W where x is hi / lo from FO_MIN_M tokens (or with a ``plan``; one 16-byte load a
+    lane for a group's A fragments; the same fragments, so the same bits); the tiled GEMM and float32 x read W."""
     hilo = np.dtype(x.dtype) == np.uint64
     M, K, N = _check_args(x, W, y, hilo=hilo)
     if _weight_kind(W) != "bf16" or K % 4 or not W.is_c_contiguous():
@@ -853,7 +858,7 @@ def linear_tc(x, W, y, accumulate: bool = False, stream=0, plan: tuple[int, int,
         tc_tiled.tiled_gemm(x, W, y, accumulate, stream)
         return
     rt, nt, u, nw, kw = plan or tc_plan(M, N, K)
-    fo = fo if hilo else None
+    fo = fo if hilo and (plan is not None or M >= FO_MIN_M) else None
     kern = tc.gemm_kernel(rt, nt, u, nw, tc.XL_HILO if hilo else tc.XL_NATURAL, kw, fo=fo is not None)
     rows = 16 * rt * (nw // kw)
     Wk = W.view(np.uint64).reshape(1, N, K // 4) if fo is None else fo

@@ -1335,11 +1335,13 @@ TC_FO_MIN_LOAD = float(os.environ.get("KDT_MOE_TC_FO_LOAD", "0.75"))
 # order and splits it (~50 integer instructions a k group) and its logits blocks write b_perm for kernel B; with it
 # both read b_hl and the conversion is gone. Kernel A at 65 tokens was 65.8 us (s30d's Nsight Compute: DRAM 8%, issue
 # 34%), ~61 in the budget-64 step (s45a) for ~23 MB of shared gate_up weights. The same fragments and the same split,
-# so the same bits. Off until timed on a GPU (session 48: simulator tests and sm_90 compiles only; no machine came for
-# `scripts/h200_check.sh s48a`). Env KDT_MOE_SHARED_FO=1: the shared experts in fragment order; KDT_MOE_B_HILO=1: b_hl
-# from the engine (:func:`reads_b_hilo`).
-SHARED_FO = os.environ.get("KDT_MOE_SHARED_FO", "0") != "0"
-B_HILO = os.environ.get("KDT_MOE_B_HILO", "0") != "0"
+# so the same bits. Measured (session 49, s49b, H100, `scripts/profile_graphs.py --preset moonlight-16b-a3b --drafter
+# oracle --budget 64 --ab kdt.kernels.moe.SHARED_FO=1,kdt.kernels.moe.B_HILO=1`, every program in its graph): the
+# budget-64 oracle step 14913.8 -> 14581.3 us (-332; session 48 predicted ~-0.7 ms from the SASS). On by default. Env
+# KDT_MOE_SHARED_FO=0: the shared experts in natural order; KDT_MOE_B_HILO=0: no b_hl from the engine
+# (:func:`reads_b_hilo`).
+SHARED_FO = os.environ.get("KDT_MOE_SHARED_FO", "1") != "0"
+B_HILO = os.environ.get("KDT_MOE_B_HILO", "1") != "0"
 
 
 def fo_fits(nbytes: int, free: int, total: int) -> bool:

@@ -351,8 +351,10 @@ WIDE_MAX_M = int(os.environ.get("KDT_TILED_WIDE_M", "72"))
 # step from its thread index. sm_90 SASS of the (8, 1, 2, 9, 4) plan's k loop (`scripts/sass_loops.py tc_tiled`): 1130
 # instructions for 72 HMMA, most of them the 8 copies' integer address work (~330 IMAD, 80 LEA, 60 ISETP, 40 SEL for 8
 # LDGSTS): a warp issues about as much as its mma take, with two warps a scheduler (one block an SM at ~250 registers)
-# to hide it. The same copies, so the same bits. Off until timed on a GPU (env KDT_TILED_PRE=1: on).
-PRE = os.environ.get("KDT_TILED_PRE", "0") != "0"
+# to hide it. The same copies, so the same bits. Measured (session 49, s49b, H100, `scripts/profile_graphs.py ... --ab
+# kdt.kernels.tc_tiled.PRE=1`): the budget-64 oracle step 14913.8 -> 14777.7 us (-136; predicted ~-0.15 ms). On by
+# default; env KDT_TILED_PRE=0: the offsets from the thread index every step.
+PRE = os.environ.get("KDT_TILED_PRE", "1") != "0"
 
 
 def plan(M: int) -> tuple[int, int, int, int, int]:
