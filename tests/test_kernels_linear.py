@@ -481,6 +481,7 @@ def _check_fo(rng, monkeypatch, M, N, K, plan=None):
         xr = rmsnorm_ref(x.astype(np.float64), gw, 1e-6) if norm else x.astype(np.float64)
         assert rel_err(y_fo, linear_ref(xr, W_seen)) < BF16_VS_ROUNDED
     other = lin.fragment_order(cuda.to_device(_weights(rng, N, K, "bf16")[0]))
+    y_w = run(None)  # (hi / lo x, no norm: what run(other) computes)
     assert rel_err(run(other), y_w) > 0.1
     np.testing.assert_array_equal(run(other, hilo=False), run(None, hilo=False))  # float32 x: W, not fo
     if plan is None:  # below FO_MIN_M tokens linear_tc reads W
