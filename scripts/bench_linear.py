@@ -116,9 +116,11 @@ def estimate_us(fn) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-def rotating(fn, Ws, x, y, **kw):
-    """fn(i) launching ``fn(x, W, y)`` on weight copy i % len(Ws)."""
-    return lambda i: fn(x, Ws[i % len(Ws)], y, **kw)
+def rotating(fn, Ws, x, y, Fs=None, **kw):
+    """fn(i) launching ``fn(x, W, y)`` on weight copy i % len(Ws) (and, with ``Fs``, its fragment order as ``fo``)."""
+    if Fs is None:
+        return lambda i: fn(x, Ws[i % len(Ws)], y, **kw)
+    return lambda i: fn(x, Ws[i % len(Ws)], y, fo=Fs[i % len(Ws)], **kw)
 
 
 def plan_of(M: int, N: int, K: int, tm=None, splits=None, warps=None) -> tuple[int, int, int]:
@@ -171,19 +173,15 @@ def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int], layers=None
                 y1, y2 = cuda.device_array((M, N), np.float32), cuda.device_array((M, N), np.float32)
                 xh = cuda.to_device(tc.hilo_np(x.copy_to_host()))  # x as a norm leaves it for the tensor cores
                 y3, y4 = cuda.device_array((M, N), np.float32), cuda.device_array((M, N), np.float32)
-
-                def with_fo(i, plan=None, y=y4, xh=xh, Ws=Ws, Fs=Fs):
-                    lin.linear_tc(xh, Ws[i % len(Ws)], y, plan=plan, fo=Fs[i % len(Ws)])
-
                 f1, f2 = rotating(lin.linear_v2, Ws, x, y1), rotating(lin.linear_tc, Ws, x, y2)
-                f3 = rotating(lin.linear_tc, Ws, xh, y3)
+                f3, f4 = rotating(lin.linear_tc, Ws, xh, y3), rotating(lin.linear_tc, Ws, xh, y4, Fs)
                 us1, us2, us3 = timed(f1, estimate_us(f1)), timed(f2, estimate_us(f2)), timed(f3, estimate_us(f3))
                 fo = Fs[0] is not None
-                us4 = timed(with_fo, estimate_us(with_fo)) if fo else float("nan")
+                us4 = timed(f4, estimate_us(f4)) if fo else float("nan")
                 lin.linear_v2(x, Ws[0], y1)
                 lin.linear_tc(x, Ws[0], y2)
                 lin.linear_tc(xh, Ws[0], y3)
-                with_fo(0)
+                f4(0)
                 a = y1.copy_to_host().astype(np.float64)
                 diff = max(float(np.linalg.norm(a - y.copy_to_host()) / max(np.linalg.norm(a), 1e-30))
                            for y in (y2, y3))
@@ -197,7 +195,7 @@ def bench_tc(presets: list[str], Ms: list[int], sweep_Ms: list[int], layers=None
                                 f = rotating(lin.linear_tc, Ws, xx, y2, plan=p)
                                 r[p] = timed(f, estimate_us(f))
                             if fo:
-                                f = lambda i, p=p, y=y2: with_fo(i, p, y)  # noqa: E731
+                                f = rotating(lin.linear_tc, Ws, xh, y2, Fs, plan=p)
                                 res_f[p] = timed(f, estimate_us(f))
                 best, best_h = min(res, key=res.get), min(res_h, key=res_h.get)
                 best_f = min(res_f, key=res_f.get) if fo else None
