@@ -1823,13 +1823,14 @@ s49b)  # session 49, short of device time: every built-and-off change in one cal
   grep -h "==\|step\|forward\|empty\|build\|PRE\|afo\|set \|Error\|error" "$OUT/profile_all.log" | cut -c1-170 \
     | tail -n 24 ;;
 s50a)  # next session, issue 7: where the budget-64 oracle step goes with session 49's defaults, launch by launch on an
-  # H200 (scripts/profile_graphs.py --launches step: each launch in a graph of its own; s45a's was an H100's), then
-  # kdt bench (s48b's command, JSON named s50a) as far as the call's time goes
-  step profile_b64 ${PROFILE_TIMEOUT:-280} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --drafter oracle \
-    --budget 64 --launches step --json "$OUT/profile-graphs-$day-moonlight-b64-launches-s50a.json"
+  # H200 (scripts/profile_graphs.py --launches all: each launch of the AR step and of the DDTree step in a graph of its
+  # own; s45a's was an H100's; LAUNCHES=step: the DDTree step alone), then kdt bench (s48b's command, JSON named
+  # s50a) as far as the call's time goes
+  step profile_b64 ${PROFILE_TIMEOUT:-300} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --drafter oracle \
+    --budget 64 --launches ${LAUNCHES:-all} --json "$OUT/profile-graphs-$day-moonlight-b64-launches-s50a.json"
   grep -h "==\|step\|forward\|empty\|build\|phase\|launches\|Error\|error" "$OUT/profile_b64.log" | cut -c1-150 \
     | tail -n 30
-  step bench_moonlight ${BENCH_TIMEOUT:-280} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
+  step bench_moonlight ${BENCH_TIMEOUT:-270} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-$MODE.json" \
     && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
 s50b)  # session 50, issue 7: session 49's gpu tests and kdt verify on the final code with its defaults (no env): the
