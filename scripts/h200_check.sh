@@ -1834,12 +1834,17 @@ s50a)  # next session, issue 7: where the budget-64 oracle step goes with sessio
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-$MODE.json" \
     && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
 s50b)  # session 50, issue 7: session 49's gpu tests and kdt verify on the final code with its defaults (no env): the
-  # kernel and engine tests (420 s each) beside verify of tiny (fp32) and model_code (bf16)
+  # kernel and engine tests (420 s each) beside verify of tiny (fp32) and model_code (bf16), then MoE parts
   tparts 420 kern tests/test_kernels_moe.py tests/test_kernels_elementwise.py tests/test_kernels_linear.py \
     tests/test_kernels_tc.py -k "(test_moe_forward_moonlight and bf16-2) or (rmsnorm_gpu and 2048) or \
     fo_same_bits_gpu or tc_tiled_gemm_gpu"
   tparts 420 engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay or step_options or stop_token"
-  verify_beside_tparts 150 1 kern engine ;;
+  verify_beside_tparts 150 1 kern engine
+  # then the Moonlight MoE layer's launches as growing prefixes at 1 and 65 tokens (kernel A's head: the router
+  # logits, routing and grouping without the shared gate_up; kdt's defaults)
+  step moe_parts ${MOE_TIMEOUT:-110} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 1,65 --parts \
+    --only v2 --json "$OUT/moe-parts-$day-moonlight-s50b.json"
+  grep -h "prefix\|+ \|whole" "$OUT/moe_parts.log" | cut -c1-150 ;;
 s48b)  # session 48: kdt bench on the final code (after s48a), JSON named by the mode
   step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-$MODE.json" \
