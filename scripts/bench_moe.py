@@ -10,7 +10,7 @@ experts the M random tokens select + the shared experts + the fp32 router gate; 
 over version 1, and the relative difference of each output to version 1's (a wrong kernel shows up
 here as ~1e-1 or nan; the tests' bound against float64 is 1e-5). ``--sweep`` adds version-2 launch
 shapes beside the default (``kdt.kernels.moe.V2Tiles``) so one run picks the best. ``--parts`` times
-version 2's launches as growing prefixes of the forward, each launch's first role
+each version-2 variant's launches as growing prefixes of the forward, each launch's first role
 (``moe.V2Launch.head``: A's router logits + routing tail without the shared gate_up, B's routed
 gate_up without the shared down) before the whole launch: the increments say where the forward's
 time goes. Version 2's forwards get b's hi / lo layout (``b_hl``) where the engine's norm would write it
@@ -130,7 +130,9 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             # kernel B's routed gate_up on the block-tiled GEMM (kdt.kernels.tc_tiled; x hi / lo), or not
             ("tc_untiled", r(t, tiled=False)) if t.tiled else ("tc_tiled", r(t, tc_hilo=True, tiled=True)),
             ("tc_nofo", r(t, tc_fo=False)) if t.tc_fo else ("tc_fo", r(t, tc_hilo=True, tc_fo=True)),  # (session 43)
-            ("tc_regs128", r(t, tc_regs=128))]  # kernel B capped at 128 registers a thread (4 blocks an SM)
+            ("tc_regs128", r(t, tc_regs=128)),  # kernel B capped at 128 registers a thread (4 blocks an SM)
+            # kernel A's token tiles of 4 / 2 tokens (its logits blocks and routers; one routing round a tile)
+            ("A_tiles4", r(t, tt_s=4, u_l=4)), ("A_tiles2", r(t, tt_s=2, u_l=4))]
     tcv = r(t, tc=2, jc=1, tc_split=True)  # tensor cores below their first M (bf16; other weights: the FMA tiles)
     tcs = [("tc2", tcv), ("tc2_fit", r(tcv, tc_fit=True)), ("tc2_fit_hilo", r(tcv, tc_fit=True, tc_hilo=True))
            ] if 8 <= M < moe.TC_MIN_M else []
@@ -149,11 +151,13 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             ("tt2_words4", r(t, tt=2, tt_s=2, tt_c=2, u=4, u_l=4, u_c=4))] + tcs
 
 
-def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> list[dict]:
-    """Version 2's launches timed as growing prefixes of the forward (A's head, A, A + B's head, A + B,
-    A + B + C; the head of a launch is its first role alone, ``moe.V2Launch.head``). Prefixes, not
-    launches alone: alone, a launch would re-read weights that the L2 (60 MB) still holds."""
-    launches = moe.v2_launches(b, layer, scratch, out, M, accumulate=False, b_hl=b_hl_for("v2", 2, b, layer, scratch))
+def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float, vname: str = "v2",
+                tiles: moe.V2Tiles | None = None) -> list[dict]:
+    """Version 2's launches (variant ``vname``, launch shape ``tiles``) timed as growing prefixes of the forward (A's
+    head, A, A + B's head, A + B, A + B + C; the head of a launch is its first role alone, ``moe.V2Launch.head``).
+    Prefixes, not launches alone: alone, a launch would re-read weights that the L2 (60 MB) still holds."""
+    launches = moe.v2_launches(b, layer, scratch, out, M, accumulate=False, tiles=tiles,
+                               b_hl=b_hl_for(vname, 2, b, layer, scratch))
     rows, prev = [], 0.0
     for n, ln in enumerate(launches):
         for part, grid in (("head", ln.head), ("whole", ln.grid)):
@@ -167,7 +171,7 @@ def bench_parts(name: str, M: int, b, layer, scratch, out, us_whole: float) -> l
 
             us = time_us(fn)
             label = f"+ {ln.name} ({part}, {grid} blocks x {ln.threads})"
-            rows.append(dict(preset=name, M=M, variant=f"prefix {label}", us=us, added_us=us - prev))
+            rows.append(dict(preset=name, M=M, variant=f"{vname} prefix {label}", us=us, added_us=us - prev))
             print(f"{name:18s} {M:3d}   {label:52s} {us:8.1f} us  (+{us - prev:.1f})", flush=True)
             prev = us
     print(f"{name:18s} {M:3d}   (the whole forward through moe_forward: {us_whole:.1f} us)", flush=True)
@@ -280,8 +284,8 @@ def bench_preset(name: str, Ms: list[int], dtype: str, sweep: str | None, bw: fl
             print(f"{name:18s} {M:3d} {vname:16s} {us:8.1f} {gbs:7.0f} {row['pct_copy']:6.0f}% "
                   f"{us_v1 / us:5.2f}x {diff:11.1e}   ({n_active} experts, first call {t_compile:.0f} s)",
                   flush=True)
-            if parts and vname == "v2":
-                rows += bench_parts(name, M, b, layer, scratch, out, us)
+            if parts and version == 2:
+                rows += bench_parts(name, M, b, layer, scratch, out, us, vname, tiles)
     return rows
 
 
@@ -293,7 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_const", const="all", help="also time version-2 launch-shape variants")
     ap.add_argument("--previous", dest="sweep", action="store_const", const="previous",
                     help="also time the previous default launch shapes (see previous_defaults)")
-    ap.add_argument("--parts", action="store_true", help="also time version 2's launches as prefixes of the forward")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time each version-2 variant's launches as prefixes of the forward")
     ap.add_argument("--only", default=None, help="comma-separated variant names to time (e.g. 'v2,v2 fma')")
     ap.add_argument("--jobs", type=int, default=1, help="compile the variants first in this many processes")
     ap.add_argument("--ncu", action="store_true", help="no timing: each variant once in a profiled range (ncu)")

@@ -150,6 +150,20 @@ if IS_SIM:
         cuda.syncthreads()
 
     @_device
+    def _match_any(key, red_i, warp, lane):
+        """Bit j set for each lane j of the warp whose key equals this lane's (shared-memory path: every
+        thread of the block calls it, it synchronises)."""
+        cuda.syncthreads()
+        red_i[warp, lane] = key
+        cuda.syncthreads()
+        peers = 0
+        for j in range(WARP):
+            if red_i[warp, j] == key:
+                peers |= 1 << j
+        cuda.syncthreads()
+        return peers
+
+    @_device
     def _group_sum(v, P, red, warp, lane):
         """Sum of v over the aligned group of P lanes (a power of two) holding ``lane``, to each of them
         (shared-memory path: red[warp, lane], float32 [>= warps, 32])."""
@@ -188,6 +202,11 @@ else:
     @_device
     def _warp_sync():
         cuda.syncwarp(_FULL)
+
+    @_device
+    def _match_any(key, red_i, warp, lane):
+        """Bit j set for each lane j of the warp whose key equals this lane's (match.any.sync; red_i unused)."""
+        return cuda.match_any_sync(_FULL, key)
 
     @_device
     def _group_sum(v, P, red, warp, lane):
@@ -568,6 +587,43 @@ def _scan2(a, b, tid, n):
             b[tid] += tb
         cuda.syncthreads()
         off *= 2
+
+
+# The grouping's last step, placing each pair at its sorted position: warp 0 takes 32 pairs a step with
+# match.any.sync (``_place_pairs``; Moonlight's 65-token step: 13 steps for its 390 pairs). Before (session 50 and
+# earlier; KDT_MOE_GROUP_MATCH=0): every thread one pair of a chunk of the block's size, counting the pairs of its
+# expert before it in the chunk by a serial loop over the chunk in shared memory (4 chunks x 128 loop trips there).
+# Both give the same positions (token order within an expert).
+GROUP_MATCH = os.environ.get("KDT_MOE_GROUP_MATCH", "1") != "0"
+
+
+@_device
+def _place_pairs(sh_idx, P, top_k, cur, sorted_rows, sorted_slot, pos_of, red_i, warp, lane):
+    """Warp 0 puts pair i = m*top_k + s (expert e = sh_idx[i]) at position cur[e] + the number of e's pairs
+    before i, so token order within an expert (cur[e] starts at offsets[e]; red_i: _match_any's shared
+    stage in the simulator). 32 pairs a step: match.any.sync gives each lane the lanes of its expert, the
+    highest of them moves cur[e] on. In the simulator every warp takes the steps (_match_any synchronises
+    the block) and warp 0's alone write."""
+    below = (1 << lane) - 1  # the lanes under this one
+    if warp == 0 or IS_SIM:
+        for c0 in range(0, P, WARP):
+            i = c0 + lane
+            mine = i < P and warp == 0
+            e = sh_idx[i] if mine else E_MAX + lane  # (past P a key of no pair: the lane matches only itself)
+            peers = _match_any(int32(e), red_i, warp, lane)
+            pos = 0
+            if mine:
+                pos = cur[e] + cuda.popc(peers & below)
+            _warp_sync()  # every lane has read cur[e] before the highest moves it
+            if mine:
+                m = i // top_k
+                s = i % top_k
+                sorted_rows[pos] = m
+                sorted_slot[pos] = s
+                pos_of[m, s] = pos
+                if lane == WARP - 1 - cuda.clz(peers):
+                    cur[e] = pos + 1
+            _warp_sync()
 
 
 @cuda.jit
@@ -982,7 +1038,7 @@ def _v2_route_kernel(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s:
                      rt: bool = True, tc: int = 0, tc_split: bool = False, hilo: bool = False, xh: bool = False,
                      s_fo: bool = False):
     """Kernel A (see the section comment and :func:`_v2_route_body`): block b is role block b."""
-    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, tc, tc_split, hilo, xh, s_fo)
+    key = ("A", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, tc, tc_split, hilo, xh, s_fo, GROUP_MATCH)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     body = _v2_route_body(nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, False, tc, tc_split, hilo, xh, s_fo)
@@ -1021,7 +1077,8 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
     shared gate_up reads it (``s_fo``: sgu in fragment order) instead of splitting float32 b."""
     if (xh and not (tc and hilo)) or (s_fo and not xh):
         raise ValueError(f"kernel A: xh needs tc and hilo, s_fo needs xh (tc={tc}, hilo={hilo}, xh={xh}, s_fo={s_fo})")
-    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig, tc, tc_split, hilo, xh, s_fo)
+    GM = GROUP_MATCH
+    key = ("A body", nw, epw_b, epw_s, nr_s, tt_s, u_s, u_l, cs_s, rt, sig, tc, tc_split, hilo, xh, s_fo, GM)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     if IS_SIM and nw > _V2_RWARPS:
@@ -1183,7 +1240,9 @@ def _v2_route_body(nw: int, epw_b: int, epw_s: int, nr_s: int, tt_s: int, u_s: i
                 offsets[E] = P
                 n_active[0] = scan_a[SCAN_N - 1]
             cuda.syncthreads()
-            for c0 in range(0, P, NT):  # chunks of NT pairs in flat order; cur[e] = next free position
+            if GM:
+                _place_pairs(sh_idx, P, top_k, cur, sorted_rows, sorted_slot, pos_of, red_i, warp, lane)
+            for c0 in range(0, 0 if GM else P, NT):  # (GROUP_MATCH off) chunks of NT pairs in flat order
                 i = c0 + tid
                 c1 = min(c0 + NT, P)
                 e = 0
@@ -1691,7 +1750,7 @@ def _v2_gate_up_body(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, cs:
 def _v2_ab_kernel(t: V2Tiles, epw: int):
     """Kernel AB: kernels A and B as one launch (see the section comment "kernels A and B in one launch").
     Role blocks by ticket: [0, n_a) kernel A's, the rest kernel B's, which wait on A's flags."""
-    key = ("AB", t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.u_l, t.cs, t.cs_s, t.sd_first, t.rt, t.ab_regs)
+    key = ("AB", t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.u_l, t.cs, t.cs_s, t.sd_first, t.rt, t.ab_regs, GROUP_MATCH)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
     body_a = _v2_route_body(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, True)
