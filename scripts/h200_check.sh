@@ -1847,10 +1847,11 @@ s50b)  # session 50, issue 7: session 49's gpu tests and kdt verify on the final
   grep -h "prefix\|+ \|whole" "$OUT/moe_parts.log" | cut -c1-150 ;;
 s51a)  # session 51, issue 7: kernel A's head (router logits, routing, grouping) at 8 and 65 tokens with the grouping's
   # placement by match.any.sync (the default) and by the serial loop before it (KDT_MOE_GROUP_MATCH=0), a process each,
-  # each in token tiles of 8 (the default at 65) / 4 / 2 (bench_moe's A_tiles4 / A_tiles2); then the MoE gpu tests
+  # each in token tiles of 8 (the default at 65) / 4 / 2 (bench_moe's sweep variants "v2 A_tiles4" / "v2 A_tiles2"; the
+  # session's run named them without "v2 " and timed the default alone); then the MoE gpu tests
   for gm in 0 1; do
     KDT_MOE_GROUP_MATCH=$gm step moe_a_gm$gm ${MOE_TIMEOUT:-150} python3 scripts/bench_moe.py --presets \
-      moonlight-16b-a3b --M 8,65 --parts --sweep --only v2,A_tiles4,A_tiles2 --jobs 8 \
+      moonlight-16b-a3b --M 8,65 --parts --sweep --only "v2,v2 A_tiles4,v2 A_tiles2" --jobs 8 \
       --json "$OUT/moe-a-$day-moonlight-gm$gm-s51a.json"
     grep -h "v2\|A_tiles\|A route\|Error\|error" "$OUT/moe_a_gm$gm.log" | cut -c1-150
   done

@@ -593,7 +593,13 @@ def _scan2(a, b, tid, n):
 # match.any.sync (``_place_pairs``; Moonlight's 65-token step: 13 steps for its 390 pairs). Before (session 50 and
 # earlier; KDT_MOE_GROUP_MATCH=0): every thread one pair of a chunk of the block's size, counting the pairs of its
 # expert before it in the chunk by a serial loop over the chunk in shared memory (4 chunks x 128 loop trips there).
-# Both give the same positions (token order within an expert).
+# Both give the same positions (token order within an expert). Measured on an H100 (session 51; s51a: `scripts/
+# bench_moe.py --presets moonlight-16b-a3b --M 8,65 --parts`, a process each way): kernel A's head at 65 tokens 43.2 ->
+# 30.2 us, the layer 478.4 -> 465.9 us; at 8 tokens 17.3 -> 15.3. In the engine's graphs (s51c / s51d: `scripts/
+# profile_graphs.py --preset moonlight-16b-a3b --drafter oracle --budget 64 --launches none --ab
+# kdt.kernels.moe.GROUP_MATCH=0`, twice): the budget-64 oracle step 14460.5 / 14459.3 -> 13873.1 / 13869.1 us (-4.1%),
+# the AR step 3376.5 / 3377.6 -> 3403.8 / 3404.8 (+0.8%: not the placement, which kernel AB's six pairs take in one
+# step; with kernel AB on the serial loop, s51e, it was +44 us all the same; not explained).
 GROUP_MATCH = os.environ.get("KDT_MOE_GROUP_MATCH", "1") != "0"
 
 
