@@ -780,6 +780,16 @@ def test_v2_tiles_and_fallback():
     assert moe._v2_supported(layer, scratch, big - 1) and not moe._v2_supported(layer, scratch, big)
 
 
+def test_v2_tiles_kernel_a_token_tile(monkeypatch):
+    """moe.A_TT (env KDT_MOE_A_TT) sets kernel A's token tile where the plan runs on tensor cores, and only there."""
+    monkeypatch.setattr(moe, "IS_SIM", False)  # (the real plans: the simulator's leave the tensor cores to the tests)
+    base65, base8 = moe.v2_tiles(65, 6, 64, 2048), moe.v2_tiles(8, 6, 64, 2048)
+    monkeypatch.setattr(moe, "A_TT", 4)
+    assert base65.tc and base65.tt_s == 8 and not base8.tc
+    assert moe.v2_tiles(65, 6, 64, 2048) == replace(base65, tt_s=4, u_l=4)
+    assert moe.v2_tiles(8, 6, 64, 2048) == base8
+
+
 def test_v2_staged_loads_need_k_multiple_of_8():
     """tc_st stages kernels B's and C's routed GEMMs where their x is hi / lo and D and I are multiples of 8 (the
     16-byte copies), else the launches drop it."""

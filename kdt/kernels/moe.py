@@ -1407,6 +1407,13 @@ TC_FO_MIN_LOAD = float(os.environ.get("KDT_MOE_TC_FO_LOAD", "0.75"))
 # (:func:`reads_b_hilo`).
 SHARED_FO = os.environ.get("KDT_MOE_SHARED_FO", "1") != "0"
 B_HILO = os.environ.get("KDT_MOE_B_HILO", "1") != "0"
+# Kernel A's token tile (its logits blocks' tokens, each tile routed by its last block) where its shared gate_up runs
+# on tensor cores (its FMA tiles, tt_s, are then unused); 0: by M (8 past 16 tokens). Measured on an H100 (session 51,
+# s51b: `scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --parts --sweep --only "v2,v2 A_tiles4,v2
+# A_tiles2"`): at 65 tokens tiles of 8 / 4 / 2 take kernel A's head 30.1 / 26.6 / 28.3 us, the layer 460.2 / 456.9 /
+# 457.7, each with the default's bits (tiles of 4: the 4 routing warps route a tile in one round). Env KDT_MOE_A_TT; not
+# the default until the gpu tests have run with it (`scripts/h200_check.sh s52a`).
+A_TT = int(os.environ.get("KDT_MOE_A_TT", "0"))
 
 
 def fo_fits(nbytes: int, free: int, total: int) -> bool:
@@ -2002,6 +2009,8 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None, fo:
         t = replace(t, tc=tiles, jc=1, tc_hilo=TC_HILO and (TC_FIT or tiles == 4), tc_split=TC_SPLIT, tc_fit=TC_FIT)
         t = replace(t, tiled=t.tc_hilo and 0 < TILED_MIN_M <= M, tc_fo=TC_FO != "0" and t.tc_hilo)
         t = replace(t, s_fo=SHARED_FO and t.tc_fo)
+        if A_TT:
+            t = replace(t, tt_s=A_TT, u_l=4 if A_TT <= 4 else 2)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
