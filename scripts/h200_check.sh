@@ -1863,7 +1863,7 @@ s52a)  # next session, issue 7: kernel A's token tiles of 4 where it runs on ten
   # budget-64 step in its graphs with it on and off (--ab kdt.kernels.moe.A_TT=4, one process)
   export KDT_MOE_A_TT=4
   tparts ${TEST_TIMEOUT:-300} kern tests/test_kernels_moe.py -k "(test_moe_forward_moonlight and bf16-2) or \
-    ab_repeated_moonlight or code_shape_gpu or moonlight_tiles"
+    ab_repeated_moonlight or code_shape_gpu"
   tparts ${TEST_TIMEOUT:-300} engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay"
   verify_beside_tparts 150 1 kern engine
   unset KDT_MOE_A_TT  # (the A/B below turns it on itself)

@@ -783,6 +783,7 @@ def test_v2_tiles_and_fallback():
 def test_v2_tiles_kernel_a_token_tile(monkeypatch):
     """moe.A_TT (env KDT_MOE_A_TT) sets kernel A's token tile where the plan runs on tensor cores, and only there."""
     monkeypatch.setattr(moe, "IS_SIM", False)  # (the real plans: the simulator's leave the tensor cores to the tests)
+    monkeypatch.setattr(moe, "A_TT", 0)
     base65, base8 = moe.v2_tiles(65, 6, 64, 2048), moe.v2_tiles(8, 6, 64, 2048)
     monkeypatch.setattr(moe, "A_TT", 4)
     assert base65.tc and base65.tt_s == 8 and not base8.tc
