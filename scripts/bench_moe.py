@@ -131,8 +131,8 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             ("tc_untiled", r(t, tiled=False)) if t.tiled else ("tc_tiled", r(t, tc_hilo=True, tiled=True)),
             ("tc_nofo", r(t, tc_fo=False)) if t.tc_fo else ("tc_fo", r(t, tc_hilo=True, tc_fo=True)),  # (session 43)
             ("tc_regs128", r(t, tc_regs=128)),  # kernel B capped at 128 registers a thread (4 blocks an SM)
-            # kernel A's token tiles of 4 / 2 tokens (its logits blocks and routers; one routing round a tile)
-            ("A_tiles4", r(t, tt_s=4, u_l=4)), ("A_tiles2", r(t, tt_s=2, u_l=4))]
+            # kernel A's token tiles of 8 / 4 / 2 tokens (its logits blocks and routers; 4 or fewer: one routing round)
+            ("A_tiles8", r(t, tt_s=8, u_l=2)), ("A_tiles4", r(t, tt_s=4, u_l=4)), ("A_tiles2", r(t, tt_s=2, u_l=4))]
     tcv = r(t, tc=2, jc=1, tc_split=True)  # tensor cores below their first M (bf16; other weights: the FMA tiles)
     tcs = [("tc2", tcv), ("tc2_fit", r(tcv, tc_fit=True)), ("tc2_fit_hilo", r(tcv, tc_fit=True, tc_hilo=True))
            ] if 8 <= M < moe.TC_MIN_M else []

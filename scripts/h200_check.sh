@@ -1860,7 +1860,8 @@ s51a)  # session 51, issue 7: kernel A's head (router logits, routing, grouping)
   wait; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_kern.log" | cut -c1-300 ;;
 s52a)  # next session, issue 7: kernel A's token tiles of 4 where it runs on tensor cores (KDT_MOE_A_TT=4; session 51's
   # s51b: -3.3 to -4.9 us a Moonlight layer at 65 tokens): the MoE and engine gpu tests and kdt verify with it, then the
-  # budget-64 step in its graphs with it on and off (--ab kdt.kernels.moe.A_TT=4, one process)
+  # budget-64 step in its graphs with it on and off (--ab kdt.kernels.moe.A_TT=4, one process; run in session 52 when
+  # the default was 0: A_TT is 4 by default since, so its A/B now runs 4 against 4)
   export KDT_MOE_A_TT=4
   tparts ${TEST_TIMEOUT:-300} kern tests/test_kernels_moe.py -k "(test_moe_forward_moonlight and bf16-2) or \
     ab_repeated_moonlight or code_shape_gpu"

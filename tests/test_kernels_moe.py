@@ -838,6 +838,7 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
              ("moonlight-16b-a3b", 0, None, True, False, "auto"), ("moonlight-16b-a3b", 32, 32, False, False, "auto"),
              ("moonlight-16b-a3b", 16, 8, True, True, "auto"), ("kimi-k2", 16, 36, True, True, "1"),
              ("moonlight-16b-a3b", 0, None, True, True, "auto"), ("moonlight-16b-a3b", 16, 16, True, False, "0"))
+    monkeypatch.setattr(moe, "A_TT", 0)  # (kernel A's token tile by M: test_v2_tiles_kernel_a_token_tile sets it)
     for name, tc_min, first, fit, fo, mode in cases:
         monkeypatch.setattr(moe, "TC_MIN_M", tc_min)
         monkeypatch.setattr(moe, "TC_FIT", fit)

@@ -1411,9 +1411,11 @@ B_HILO = os.environ.get("KDT_MOE_B_HILO", "1") != "0"
 # on tensor cores (its FMA tiles, tt_s, are then unused); 0: by M (8 past 16 tokens). Measured on an H100 (session 51,
 # s51b: `scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --parts --sweep --only "v2,v2 A_tiles4,v2
 # A_tiles2"`): at 65 tokens tiles of 8 / 4 / 2 take kernel A's head 30.1 / 26.6 / 28.3 us, the layer 460.2 / 456.9 /
-# 457.7, each with the default's bits (tiles of 4: the 4 routing warps route a tile in one round). Env KDT_MOE_A_TT; not
-# the default until the gpu tests have run with it (`scripts/h200_check.sh s52a`).
-A_TT = int(os.environ.get("KDT_MOE_A_TT", "0"))
+# 457.7, each with the default's bits (tiles of 4: the 4 routing warps route a tile in one round). Session 52 (s52a,
+# H100): the MoE and engine gpu tests and kdt verify pass with tiles of 4, and the budget-64 oracle step in its graphs
+# goes 13890.3 -> 13799.0 us (-0.7%; the AR step, no tensor cores, 3399.0 / 3398.7). Tiles of 4 by default; env
+# KDT_MOE_A_TT=0: by M.
+A_TT = int(os.environ.get("KDT_MOE_A_TT", "4"))
 
 
 def fo_fits(nbytes: int, free: int, total: int) -> bool:
@@ -2002,7 +2004,7 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None, fo:
     fits ``_C_ONE_WAVE`` blocks, and kernel A's token tiles hold 2 tokens at 2 < M <= ``_TILES2_MAX_M``
     where D <= ``_SMALL_D`` (small models). At M <= ``AB_MAX_M`` kernels A and B run as one launch. Where
     :func:`uses_tc` the GEMMs run on tensor cores (``tc``: :func:`_tc_tiles` token tiles a pass), kernel C one expert
-    a block."""
+    a block, and kernel A's logits blocks take tiles of ``A_TT`` tokens."""
     t = replace(_v2_tiles_by_m(M, top_k), ab=M <= AB_MAX_M)
     if uses_tc(M, top_k, E, D, fo) and not IS_SIM:  # (the simulator's tests pass tensor-core tiles themselves)
         tiles = _tc_tiles(M)  # jc = 1: a block of kernel C is one expert's pass
@@ -2720,6 +2722,7 @@ def _register() -> None:
     shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64, 256)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
               + [replace(_v2_tiles_by_m(M, 8), ab=M <= AB_MAX_M) for M in (64, 256)]  # FMA tiles (KDT_MOE_TC_M=0)
               + [replace(v2_tiles(64, 8), tc_split=False)]  # the shared GEMMs over all M tokens a block
+              + [replace(v2_tiles(64, 8), tt_s=8, u_l=2)]  # kernel A's token tiles by M (KDT_MOE_A_TT=0)
               + [replace(v2_tiles(M, 8), tc_hilo=False) for M in (64, 256)]  # x float32
               + [replace(v2_tiles(M, 8), tc_kw=kw) for M in (64, 256) for kw in (1, 2)]  # row groups (tc_kw)
               + [replace(v2_tiles(64, 8), tc_hilo=True, tc_st=st) for st in (2, 4)]  # staged loads (tc_st)
