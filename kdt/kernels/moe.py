@@ -1641,6 +1641,7 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
     tc_regs: its register cap a thread on tensor cores (0: ptxas's choice, 128 with tc_ot > 1)."""
     tc_kw = _row_groups(nw, tc_kw)[0]
     regs = (tc_regs or (128 if tc_ot > 1 else 0)) if tc else 0
+    tt_s = 0 if tc else tt_s  # (kernel A's token tile: only the FMA tiles' shared down reads it)
     key = ("B", nw, epw, nr, tt, tt_s, u, cs, cs_s, sd_first, tc, tc_rt, tc_split, hilo, tc_kw, tc_st, tc_ot, tc_fit,
            tc_fo, regs, s_fo)
     if key in _V2_CACHE:
@@ -1656,8 +1657,9 @@ def _v2_gate_up_kernel(nw: int, epw: int, nr: int, tt: int, tt_s: int, u: int, c
         body(cuda.blockIdx.x, b_perm, wgu, h, active, n_active, offsets, counts, sorted_rows, h_shared, sdn,
              y_shared, M, ntg, J, cuda.gridDim.x, n_active)  # (no flags: the last argument is never read)
 
-    kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}_tts{tt_s}_u{u}{'_cs' if cs else ''}"
-                     f"{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}{f'_tc{tc}r{tc_rt}' if tc else ''}"
+    kern.__name__ = (f"moe2_gate_up_nw{nw}_e{epw}_nr{nr}_tt{tt}{f'_tts{tt_s}' if tt_s else ''}_u{u}"
+                     f"{'_cs' if cs else ''}{'_css' if cs_s else ''}{'_sdf' if sd_first else ''}"
+                     f"{f'_tc{tc}r{tc_rt}' if tc else ''}"
                      f"{'_split' if tc_split else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
                      f"{f'_st{tc_st}' if tc_st else ''}{f'_ot{tc_ot}' if tc_ot != 1 else ''}{'_fit' if tc_fit else ''}"
                      f"{'_fo' if tc_fo else ''}{f'_r{tc_regs}' if tc and tc_regs else ''}{'_sfo' if s_fo else ''}")
