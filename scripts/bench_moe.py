@@ -83,7 +83,8 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
     by_m = moe._v2_tiles_by_m(M, k)
     if by_m.jc != t.jc and not t.tc:
         old.append(("C_jc_by_M", r(t, jc=by_m.jc)))
-    if (by_m.tt_s, by_m.cs_s) != (t.tt_s, t.cs_s):  # session 11: kernel A's 2-token tiles (small models)
+    if (by_m.tt_s, by_m.cs_s) != (t.tt_s, t.cs_s) and not t.tc:  # session 11: kernel A's 2-token tiles (small
+        # models; on tensor cores kernel A's tiles are A_TT's, swept as A_tiles8 / 4 / 2)
         old.append(("A_tiles_by_M", r(t, tt_s=by_m.tt_s, cs_s=by_m.cs_s)))
     if t.s_fo:  # session 48: the shared experts in fragment order, b's hi / lo from the caller
         old += [("shared_natural", r(t, s_fo=False)), ("no_b_hl", t), ("s47_no_b_hl", r(t, s_fo=False))]
@@ -132,7 +133,8 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             ("tc_nofo", r(t, tc_fo=False)) if t.tc_fo else ("tc_fo", r(t, tc_hilo=True, tc_fo=True)),  # (session 43)
             ("tc_regs128", r(t, tc_regs=128)),  # kernel B capped at 128 registers a thread (4 blocks an SM)
             # kernel A's token tiles of 8 / 4 / 2 tokens (its logits blocks and routers; 4 or fewer: one routing round)
-            ("A_tiles8", r(t, tt_s=8, u_l=2)), ("A_tiles4", r(t, tt_s=4, u_l=4)), ("A_tiles2", r(t, tt_s=2, u_l=4))]
+            ("A_tiles8", moe.a_token_tiles(t, 8)), ("A_tiles4", moe.a_token_tiles(t, 4)),
+            ("A_tiles2", moe.a_token_tiles(t, 2))]
     tcv = r(t, tc=2, jc=1, tc_split=True)  # tensor cores below their first M (bf16; other weights: the FMA tiles)
     tcs = [("tc2", tcv), ("tc2_fit", r(tcv, tc_fit=True)), ("tc2_fit_hilo", r(tcv, tc_fit=True, tc_hilo=True))
            ] if 8 <= M < moe.TC_MIN_M else []

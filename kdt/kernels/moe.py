@@ -1418,6 +1418,12 @@ B_HILO = os.environ.get("KDT_MOE_B_HILO", "1") != "0"
 A_TT = int(os.environ.get("KDT_MOE_A_TT", "4"))
 
 
+def a_token_tiles(t: V2Tiles, tt: int) -> V2Tiles:
+    """t with kernel A's logits blocks in tiles of tt tokens (``A_TT``): 4 words in flight a warp at 4 tokens or
+    fewer (one routing round a tile), 2 at 8 (the accumulators of 8 tokens stay in registers)."""
+    return replace(t, tt_s=tt, u_l=4 if tt <= 4 else 2)
+
+
 def fo_fits(nbytes: int, free: int, total: int) -> bool:
     """KDT_MOE_TC_FO=auto's rule: a copy of nbytes fits where FO_RESERVE of the device's total memory stays free."""
     return free - nbytes >= FO_RESERVE * total
@@ -2014,7 +2020,7 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None, fo:
         t = replace(t, tiled=t.tc_hilo and 0 < TILED_MIN_M <= M, tc_fo=TC_FO != "0" and t.tc_hilo)
         t = replace(t, s_fo=SHARED_FO and t.tc_fo)
         if A_TT:
-            t = replace(t, tt_s=A_TT, u_l=4 if A_TT <= 4 else 2)
+            t = a_token_tiles(t, A_TT)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
@@ -2724,7 +2730,7 @@ def _register() -> None:
     shapes = ([v2_tiles(M, 8) for M in (1, 4, 8, 16, 64, 256)] + [replace(v2_tiles(64, 8), rt=False)]  # + one router
               + [replace(_v2_tiles_by_m(M, 8), ab=M <= AB_MAX_M) for M in (64, 256)]  # FMA tiles (KDT_MOE_TC_M=0)
               + [replace(v2_tiles(64, 8), tc_split=False)]  # the shared GEMMs over all M tokens a block
-              + [replace(v2_tiles(64, 8), tt_s=8, u_l=2)]  # kernel A's token tiles by M (KDT_MOE_A_TT=0)
+              + [a_token_tiles(v2_tiles(64, 8), 8)]  # kernel A's token tiles by M (KDT_MOE_A_TT=0)
               + [replace(v2_tiles(M, 8), tc_hilo=False) for M in (64, 256)]  # x float32
               + [replace(v2_tiles(M, 8), tc_kw=kw) for M in (64, 256) for kw in (1, 2)]  # row groups (tc_kw)
               + [replace(v2_tiles(64, 8), tc_hilo=True, tc_st=st) for st in (2, 4)]  # staged loads (tc_st)
