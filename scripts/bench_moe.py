@@ -86,6 +86,9 @@ def previous_defaults(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2T
     if (by_m.tt_s, by_m.cs_s) != (t.tt_s, t.cs_s) and not t.tc:  # session 11: kernel A's 2-token tiles (small
         # models; on tensor cores kernel A's tiles are A_TT's, swept as A_tiles8 / 4 / 2)
         old.append(("A_tiles_by_M", r(t, tt_s=by_m.tt_s, cs_s=by_m.cs_s)))
+    s52 = r(t, c_regs=0, cmb=1, kc=0)  # session 53: kernel C capped (2 token tiles), its combine's loads in flight
+    if s52 != t:
+        old.append(("C_s52", s52))
     if t.s_fo:  # session 48: the shared experts in fragment order, b's hi / lo from the caller
         old += [("shared_natural", r(t, s_fo=False)), ("no_b_hl", t), ("s47_no_b_hl", r(t, s_fo=False))]
     elif t.tc_fo:  # ... where the defaults have them off (moe.SHARED_FO, moe.B_HILO)
@@ -107,14 +110,14 @@ def sweep_variants(M: int, k: int, E: int, D: int) -> list[tuple[str, moe.V2Tile
     """Version-2 launch shapes tried beside the default with --sweep (name, tiles)."""
     t = default_tiles(M, k, E, D)
     seen, out = {t}, []
-    for name, v in previous_defaults(M, k, E, D) + _other_variants(t, M):  # (the first name of a launch shape)
+    for name, v in previous_defaults(M, k, E, D) + _other_variants(t, M, k):  # (the first name of a launch shape)
         if v not in seen:
             seen.add(v)
             out.append((name, v))
     return out
 
 
-def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
+def _other_variants(t: moe.V2Tiles, M: int, k: int) -> list[tuple[str, moe.V2Tiles]]:
     r = dataclasses.replace
     if t.tc:  # tensor cores: token tiles a pass (hi / lo x or float32), words in flight, the down's row tiles
         return [(f"tc{n}", r(t, tc=n)) for n in (1, 2, 4) if n != t.tc] + [
@@ -134,7 +137,15 @@ def _other_variants(t: moe.V2Tiles, M: int) -> list[tuple[str, moe.V2Tiles]]:
             ("tc_regs128", r(t, tc_regs=128)),  # kernel B capped at 128 registers a thread (4 blocks an SM)
             # kernel A's token tiles of 8 / 4 / 2 tokens (its logits blocks and routers; 4 or fewer: one routing round)
             ("A_tiles8", moe.a_token_tiles(t, 8)), ("A_tiles4", moe.a_token_tiles(t, 4)),
-            ("A_tiles2", moe.a_token_tiles(t, 2))]
+            ("A_tiles2", moe.a_token_tiles(t, 2)),
+            # kernel C uncapped / at 96 / 80 registers (4 / 5 / 6 blocks an SM); its combine's outputs 1 / 2 / 4 a
+            # thread in flight, each one's top_k slots unrolled (kc) or not (session 53's s53a)
+            ("C_uncapped", r(t, c_regs=0)), ("C_regs96", r(t, c_regs=96)), ("C_regs80", r(t, c_regs=80)),
+            ("C_cmb1", r(t, cmb=1)), ("C_cmb4", r(t, cmb=4)), ("C_no_kc", r(t, kc=0)),
+            ("C_cmb4_no_kc", r(t, cmb=4, kc=0)),
+            # kernel C in blocks of 8 warps, 2 row groups of 4 (64 rows a block, a warp's share of K as now; kernel B's
+            # 4 warps are then one group as before)
+            ("C_8warps_kw4", r(t, nw_c=8, tc_kw=4))]
     tcv = r(t, tc=2, jc=1, tc_split=True)  # tensor cores below their first M (bf16; other weights: the FMA tiles)
     tcs = [("tc2", tcv), ("tc2_fit", r(tcv, tc_fit=True)), ("tc2_fit_hilo", r(tcv, tc_fit=True, tc_hilo=True))
            ] if 8 <= M < moe.TC_MIN_M else []

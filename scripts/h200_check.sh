@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a|s49b|s50a|s50b|s51a|s52a|s52b
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a|s49b|s50a|s50b|s51a|s52a|s52b|s53a|s53b|s53c|s53d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1880,11 +1880,41 @@ s52b)  # next session, issue 7: which launch of the AR step is slower with GROUP
       --json "$OUT/profile-graphs-$day-moonlight-b64-gm$gm-launches-s52b.json"
     grep -h "==\|AR step\|forward\|moe\|launches\|Error\|error" "$OUT/profile_gm$gm.log" | cut -c1-150 | tail -n 30
   done ;;
-s48b)  # session 48: kdt bench on the final code (after s48a), JSON named by the mode
+s53a)  # session 53, issue 7: kernel C at 65 tokens (s51b: 156 us for 64 experts' 369 MB, ~78% of copy, where kernel B's
+  # routed gate_up ran at ~100%): capped at 96 / 80 registers (5 / 6 blocks an SM) and its ticketed combine with 1 / 2 /
+  # 4 outputs a thread in flight, a token's slots compiled in (kc) or not (bench_moe's sweep variants, --parts: C's
+  # added time); beside it the gpu tests of those tiles at Moonlight's shape
+  tparts ${TEST_TIMEOUT:-300} kern tests/test_kernels_moe.py -k "test_moe_forward_moonlight_tiles and (c_regs or cmb)"
+  step moe_c ${MOE_TIMEOUT:-420} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --parts --sweep \
+    --only "v2,v2 C_regs96,v2 C_regs80,v2 C_cmb4,v2 C_kc,v2 C_cmb2_kc,v2 C_cmb4_kc,v2 C_regs80_cmb2_kc,v2 \
+C_regs96_cmb4_kc" --jobs 12 --json "$OUT/moe-c-$day-moonlight-s53a.json"
+  grep -h "v2\|C down\|Error\|error" "$OUT/moe_c.log" | cut -c1-150
+  wait; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" "$OUT/pytest_kern.log" | cut -c1-300 ;;
+s53b)  # session 53, issue 7: kernel C's cap and combine in the engine's graphs: the budget-64 oracle step and the AR
+  # step with the default and with C_REGS / C_CMB / C_KC set (--ab columns, one process; $AB overrides them)
+  ab=()
+  for c in ${AB:-kdt.kernels.moe.C_REGS=80 kdt.kernels.moe.C_CMB=2,kdt.kernels.moe.C_KC=1 \
+           kdt.kernels.moe.C_REGS=80,kdt.kernels.moe.C_CMB=2,kdt.kernels.moe.C_KC=1}; do ab+=(--ab "$c"); done
+  step profile_c ${PROFILE_TIMEOUT:-500} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --drafter oracle \
+    --budget 64 --launches none "${ab[@]}" --json "$OUT/profile-graphs-$day-moonlight-b64-c-s53b.json"
+  grep -h "==\|step\|forward\|empty\|build\|C_\|Error\|error" "$OUT/profile_c.log" | cut -c1-170 | tail -n 16 ;;
+s53c)  # session 53, issue 7: the gpu tests and kdt verify with kernel C's new defaults (capped at 80 registers at 2
+  # token tiles, its combine's loads in flight: C_REGS / C_CMB / C_KC): the Moonlight MoE layer, kernel C's other forms
+  # at Moonlight's shape, the engine's invariant and graph replay, tiny (fp32) and model_code (bf16) verify
+  tparts ${TEST_TIMEOUT:-330} kern tests/test_kernels_moe.py -k "(test_moe_forward_moonlight and bf16-2) or \
+    ab_repeated_moonlight or code_shape_gpu or (test_moe_forward_moonlight_tiles and (c_regs or cmb))"
+  tparts ${TEST_TIMEOUT:-330} engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay"
+  verify_beside_tparts 150 1 kern engine
+  # then kernel C's forms at 65 tokens again with the new defaults (C_s52: as before session 53) and in blocks of 8 warps
+  step moe_c ${MOE_TIMEOUT:-200} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --parts --sweep \
+    --only "v2,v2 C_s52,v2 C_uncapped,v2 C_cmb1,v2 C_no_kc,v2 C_8warps_kw4" --jobs 12 \
+    --json "$OUT/moe-c-$day-moonlight-s53c.json"
+  grep -h "v2\|C down\|Error\|error" "$OUT/moe_c.log" | cut -c1-150 ;;
+s48b|s53d)  # session 48: kdt bench on the final code (after s48a), JSON named by the mode (s53d: session 53's)
   step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-$MODE.json" \
     && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a|s49b|s50a|s50b|s51a|s52a|s52b"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a|s49b|s50a|s50b|s51a|s52a|s52b|s53a|s53b|s53c|s53d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"

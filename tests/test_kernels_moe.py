@@ -545,6 +545,13 @@ V2_SIM_TILES.update(tc_ot2=replace(V2_SIM_TILES["tc"], tc_ot=2),
 # ... with a short pass on fewer token tiles (tc_fit): 2 tiles a pass, and 4 with the shared GEMMs one pass a block
 V2_SIM_TILES.update(tc2_fit=replace(V2_SIM_TILES["tc2"], tc_fit=True),
                     tc4_split_fit=replace(V2_SIM_TILES["tc_split"], tc=4, tc_rt=2, tc_fit=True))
+# ... with kernel C's combine keeping 3 outputs a thread in flight, a token's 4 slots compiled in (kc; D = 20 < R = 32:
+# rows past D clamped; 17 x 32 outputs over 64 threads x 3: the last group partly past them); 2 outputs a thread with
+# the loop over the slots, on the FMA tiles (17 x 4 outputs over 64 threads x 2) and on tensor cores (11 x 16 over 96
+# x 2, the last row tile partly past D = 36)
+V2_SIM_TILES.update(tc_cmb3_kc=replace(V2_SIM_TILES["tc"], cmb=3, kc=4), tc2_cmb2=replace(V2_SIM_TILES["tc2"], cmb=2),
+                    cmb2=moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2,
+                                     cs_s=False, cmb=2))
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
                    moe_intermediate_size=12, hidden_size=20)
 _V2_SKEW = dict(n_routed_experts=7, num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
@@ -583,6 +590,9 @@ V2_CASES = [
     (_V2_GROUPED, BF16, 17, True, False, "tc_ot2"),
     (dict(_V2_SKEW, hidden_size=36, moe_intermediate_size=40), BF16, 11, False, True, "tc2_ot2_kw1_hilo"),
     (dict(_V2_GROUPED, hidden_size=40, moe_intermediate_size=24), BF16, 17, True, False, "tc_ot2_st2"),
+    (_V2_GROUPED, BF16, 17, True, False, "tc_cmb3_kc"),
+    (_V2_GROUPED, np.float32, 17, True, False, "cmb2"),
+    (dict(_V2_SKEW, hidden_size=36), BF16, 11, False, True, "tc2_cmb2"),
 ]
 
 
@@ -815,6 +825,22 @@ def test_v2_kernel_b_register_cap():
         assert [n.endswith("_r128") for n in names] == [False, want, False], names
 
 
+def test_v2_kernel_c_register_cap_and_combine():
+    """c_regs caps kernel C's registers on tensor cores, cmb / kc shape its combine (its name says so); the FMA tiles
+    ignore c_regs; a kc other than the layer's top_k is dropped (the combine's loop over pos_of's slots)."""
+    cfg = _cfg(**_V2_GROUPED)
+    layer = moe.MoEWeights.from_hf(cfg, _layer_weights(np.random.default_rng(0), cfg), PREFIX, BF16)
+    scratch = moe.MoEScratch.allocate(cfg, 17)
+    k = cfg.num_experts_per_tok
+    tc_t, fma_t = V2_SIM_TILES["tc_hilo"], moe.v2_tiles(17, k)
+    for tiles, want in ((replace(tc_t, c_regs=80, cmb=2, kc=k), f"_r80_cmb2_k{k}"), (replace(tc_t, kc=k + 1), "_hilo"),
+                        (replace(fma_t, c_regs=80, cmb=4, kc=k), f"_cs_cmb4_k{k}"), (tc_t, "_hilo")):
+        names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, 17, False, tiles)]
+        assert names[2].endswith(want) and "_r80" not in names[1], names
+    t = moe.v2_tiles(17, k)
+    assert (t.cmb, t.kc) == (moe.C_CMB, k if moe.C_KC else 0)
+
+
 def test_v2_tiles_down_one_expert_rule(monkeypatch):
     """Kernel C takes one expert per block where its grid then fits _C_ONE_WAVE blocks, kernel A 2-token
     tiles: model_code's MoE (E = 8, D = 256, k = 2) at the DDTree step's M; no Moonlight or Kimi-K2 launch
@@ -833,7 +859,8 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
     # x hi / lo and short passes fitted (tc_fit), or with KDT_MOE_TC_FIT=0 session 34's: hi / lo at 4 tiles only. A
     # layer with its experts in fragment order (fo, the routed GEMMs then read it: tc_fo): from 8 tokens and 0.75 an
     # expert (Moonlight from 8, Kimi-K2 from 36); KDT_MOE_TC_FO=0: as without the copy. With tc_fo the shared experts'
-    # GEMMs read theirs too (s_fo, ``SHARED_FO``; off with KDT_MOE_SHARED_FO=0)
+    # GEMMs read theirs too (s_fo, ``SHARED_FO``; off with KDT_MOE_SHARED_FO=0). Kernel C's combine at every M, and its
+    # register cap at 2 token tiles (C_CMB, C_KC, C_REGS)
     cases = (("moonlight-16b-a3b", 16, 16, True, False, "auto"), ("kimi-k2", 16, 72, True, False, "auto"),
              ("moonlight-16b-a3b", 0, None, True, False, "auto"), ("moonlight-16b-a3b", 32, 32, False, False, "auto"),
              ("moonlight-16b-a3b", 16, 8, True, True, "auto"), ("kimi-k2", 16, 36, True, True, "1"),
@@ -846,11 +873,12 @@ def test_v2_tiles_down_one_expert_rule(monkeypatch):
         c = preset(name)
         for M in (1, 7, 8, 15, 16, 17, 31, 32, 35, 36, 64, 71, 72, 96, 97, 143, 144, 256):
             k = c.num_experts_per_tok
-            want = replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M)
-            if first is not None and M >= first:  # tensor cores, kernel C one expert a block
+            want = replace(moe._v2_tiles_by_m(M, k), ab=M <= moe.AB_MAX_M, cmb=moe.C_CMB, kc=k if moe.C_KC else 0)
+            if first is not None and M >= first:  # tensor cores, kernel C one expert a block (capped at 2 tiles)
                 hilo = moe.TC_HILO and (fit or M > 96)
                 want = replace(want, tc=2 if M <= 96 else 4, jc=1, tc_hilo=hilo, tc_split=moe.TC_SPLIT, tc_fit=fit,
-                               tc_fo=hilo and mode != "0", s_fo=moe.SHARED_FO and hilo and mode != "0")
+                               tc_fo=hilo and mode != "0", s_fo=moe.SHARED_FO and hilo and mode != "0",
+                               c_regs=moe.C_REGS if M <= 96 else 0)
             assert moe.v2_tiles(M, k, c.n_routed_experts, c.hidden_size, fo) == want, (name, M, fo)
             assert moe.v2_tiles(M, 2, 8, 256, fo).tc == 0  # small models (model_code): the FMA tiles
 
@@ -961,7 +989,8 @@ def test_moe_forward_moonlight(rng, moonlight, dtype, M, version):
     (32, dict(tc_hilo=True, tc_st=3)), (65, dict(tc_hilo=True, tc_st=4)), (65, dict(tc_hilo=True, tc_st=5)),
     (65, dict(tc_ot=2)), (65, dict(tc_ot=2, tc_rt=4)), (32, dict(tc_ot=2, tc_hilo=True, tc_st=3)),
     (65, dict(tc_fit=False)), (128, dict(tc_fit=False)), (32, dict(tc_fit=False, tc_hilo=False)),
-    (65, dict(tiled=True)), (256, dict(tiled=True)), (256, dict(tc_regs=128))],
+    (65, dict(tiled=True)), (256, dict(tiled=True)), (256, dict(tc_regs=128)), (65, dict(c_regs=0, cmb=1, kc=0)),
+    (65, dict(c_regs=96, cmb=4)), (128, dict(cmb=4, kc=0))],
     ids=lambda p: "-".join(f"{k}{int(v)}" for k, v in p.items()) if isinstance(p, dict) else str(p))
 def test_moe_forward_moonlight_tiles(rng, moonlight, M, tiles):
     """Version 2 at Moonlight's shape, bf16, in tensor-core tiles the default does not take, against float64: the
@@ -969,7 +998,8 @@ def test_moe_forward_moonlight_tiles(rng, moonlight, M, tiles):
     a warp (tc_ot; with kernel C's down on 4 row tiles; staged), session 34's full passes (tc_fit off; the default's
     bits, short passes fitted, are then checked against them) with x as it had it (float32 at 2 token tiles), kernel
     B's routed gate_up on the block-tiled GEMM (tiled: a launch of its own before B), kernel B capped at 128 registers
-    (tc_regs: ptxas spills there)."""
+    (tc_regs: ptxas spills there), kernel C as before session 53 (uncapped, its combine an output a thread with the
+    loop over the slots) and in other forms of its cap and combine (c_regs, cmb, kc)."""
     cfg, w, _ = moonlight
     layer, ref, scratch = _moonlight_layer(moonlight, BF16)
     t = replace(moe.v2_tiles(M, cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size), **tiles)
@@ -979,7 +1009,9 @@ def test_moe_forward_moonlight_tiles(rng, moonlight, M, tiles):
         names = names[:1] + names[2:]
     assert not t.tc_st or f"_st{t.tc_st}" in names[1] and f"_st{t.tc_st}" in names[2], names  # (kernels B and C)
     assert t.tc_ot == 1 or f"_ot{t.tc_ot}" in names[1], names
-    assert not t.tc_regs or names[1].endswith(f"_r{t.tc_regs}"), names
+    assert not t.tc_regs or f"_r{t.tc_regs}" in names[1], names  # (then _sfo: s48's shared experts in fragment order)
+    assert not t.c_regs or f"_r{t.c_regs}_" in names[-1], names
+    assert (t.cmb == 1 or f"_cmb{t.cmb}" in names[-1]) and (not t.kc or names[-1].endswith(f"_k{t.kc}")), names
     assert (t.tc_fit and not t.tc_st) == ("_fit" in names[1]) == ("_fit" in names[2]), names  # (staged: never fit)
     b = _draw_b(rng, cfg, w, M)
     out = cuda.to_device(poisoned((M, cfg.hidden_size)))

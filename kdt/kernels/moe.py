@@ -1418,6 +1418,24 @@ B_HILO = os.environ.get("KDT_MOE_B_HILO", "1") != "0"
 A_TT = int(os.environ.get("KDT_MOE_A_TT", "4"))
 
 
+# Kernel C on tensor cores at 65 tokens ran at ~78% of copy where kernel B's routed gate_up ran at ~100% (s51b: 156 us
+# for 64 experts' 369 MB of down weights; B's head 244 us for 738 MB). Two costs B does not have in the same measure:
+# C's blocks are short (K = I: 11 steps of 2 groups a warp against B's 16), so more of an SM's time goes to a
+# block's start and its end (the reduction over warps, the stores, the ticket); ptxas takes 98 registers, 4 blocks of
+# 4 warps an SM. And the last block of each row tile combines M x R outputs, a thread's outputs one after another,
+# each a chain of L1 and L2 loads (~12-15 us at 65 tokens); the last row tiles' combines are the launch's tail.
+# C_REGS caps C's registers at 2 token tiles a pass (80: no spill, 6 blocks an SM; at 4 tiles ptxas takes 128 and
+# spills below ~104), C_CMB keeps that many outputs of a thread in flight and C_KC unrolls each one's slots (top_k known
+# to the compiler: its loads issued before the first is used). Session 53 (H100, Moonlight, 60 experts at 65 tokens,
+# `scripts/bench_moe.py --parts`, kernel C's added time; s53a): 151.3 us before, capped at 96 / 80 146.3 / 146.4, 4
+# outputs 149.6, kc 141.9, 2 outputs with kc 137.5, 4 with kc 143.6, **80 registers, 2 outputs with kc 132.0**; in the
+# engine's graphs (s53b, one process): the budget-64 oracle step 13498.0 -> 13218.2 (2 outputs, kc) -> 13077.2 us (and
+# capped), the AR step 3354.7 -> 3342.5.
+C_REGS = int(os.environ.get("KDT_MOE_C_REGS", "80"))
+C_CMB = int(os.environ.get("KDT_MOE_C_CMB", "2"))
+C_KC = os.environ.get("KDT_MOE_C_KC", "1") != "0"  # ... and compiles its loop over a token's slots for top_k
+
+
 def a_token_tiles(t: V2Tiles, tt: int) -> V2Tiles:
     """t with kernel A's logits blocks in tiles of tt tokens (``A_TT``): 4 words in flight a warp at 4 tokens or
     fewer (one routing round a tile), 2 at 8 (the accumulators of 8 tokens stay in registers)."""
@@ -1801,7 +1819,8 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
 
 
 def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: int = 0, tc_rt: int = 2,
-                    hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_fit: bool = False, tc_fo: bool = False):
+                    hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_fit: bool = False, tc_fo: bool = False,
+                    tc_regs: int = 0, cmb: int = 1, kc: int = 0):
     """Kernel C. Block b = x * n_chunks + c: rows [x*R, x*R + R) of D (R = nw * nr, nr per warp) for
     the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
     expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
@@ -1811,12 +1830,15 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
     routed down on tensor cores (:func:`_tc_down`), tc tiles of 8 tokens a pass, R = 16 tc_rt nw / tc_kw rows a
     block (its row groups; tc_kw = 0: 16 tc_rt); with ``hilo`` h is the uint64 view of the hi / lo layout; tc_st:
     the routed down's loads staged, tc_fit: its short passes on fewer token tiles, tc_fo: wdn in fragment order
-    (:func:`_tc_down`)."""
+    (:func:`_tc_down`); tc_regs: its register cap a thread on tensor cores (0: ptxas's choice); cmb: the combine's
+    outputs a thread in flight, kc: its slots a token (top_k, pos_of.shape[1]) known to the compiler, their loads
+    unrolled (0: a loop over pos_of.shape[1]); the same sums in the same order either way."""
     tc_kw = _row_groups(nw, tc_kw)[0]
-    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st, tc_fit, tc_fo)
+    regs = tc_regs if tc else 0
+    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st, tc_fit, tc_fo, regs, cmb, kc)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    NW, NT, EPW, NR, TT, TC = nw, nw * WARP, epw, nr, tt, tc
+    NW, NT, EPW, NR, TT, TC, CMB, KC = nw, nw * WARP, epw, nr, tt, tc, cmb, kc
     R = TC_ROWS * tc_rt * _row_groups(nw, tc_kw)[2] if tc else nw * nr
     down_tc = (_tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw, tc_st, tc_fit, tc_fo)
                if tc else None)  # (rows [x R, x R + R))
@@ -1834,6 +1856,11 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
         warp = tid // WARP
         red = cuda.shared.array(RED, float32)
         flag = cuda.shared.array(1, int32)
+        cm = cuda.local.array(CMB, int64)  # the combine's outputs of this thread in flight: token, row, out[m, d],
+        cd = cuda.local.array(CMB, int64)  # y_shared[m, d] and the slots' sum
+        cout = cuda.local.array(CMB, float32)
+        cys = cuda.local.array(CMB, float32)
+        csum = cuda.local.array(CMB, float32)
         acc = cuda.local.array(NACC, float32)
         xrow = cuda.local.array(TT, int32)
         wr = cuda.local.array(NR, int64)
@@ -1876,27 +1903,42 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
             return
         cuda.threadfence()
         k = pos_of.shape[1]
-        for i in range(tid, M * R, NT):
-            m = i // R
-            d = x * R + i % R
-            if d < D:
-                s_acc = float32(0.0)
+        n_out = M * R
+        for i0 in range(tid, n_out, NT * CMB):  # CMB outputs a thread, every load before the first use (past the
+            for q in range(CMB):  # tile: clamped, loaded, not stored)
+                i = min(i0 + q * NT, n_out - 1)
+                m = i // R
+                d = min(x * R + i % R, D - 1)
+                cm[q], cd[q] = m, d
+                cout[q], cys[q] = out[m, d], y_shared[m, d]  # (y_shared: [M_max, D] with or without shared experts)
+                csum[q] = float32(0.0)
+            if KC:
+                for s in range(KC):
+                    for q in range(CMB):
+                        csum[q] += topk_w[cm[q], s] * ldcg2(y, pos_of[cm[q], s], cd[q])
+            else:
                 for s in range(k):
-                    s_acc += topk_w[m, s] * ldcg2(y, pos_of[m, s], d)
-                v = out[m, d] if accumulate else float32(0.0)
-                if has_shared:
-                    v = v + y_shared[m, d]
-                v = v + s_acc
-                out[m, d] = v
-                if has_tee:
-                    tee[m, d] = v
+                    for q in range(CMB):
+                        csum[q] += topk_w[cm[q], s] * ldcg2(y, pos_of[cm[q], s], cd[q])
+            for q in range(CMB):
+                i = i0 + q * NT
+                m, d = cm[q], cd[q]
+                if i < n_out and x * R + i % R < D:
+                    v = cout[q] if accumulate else float32(0.0)
+                    if has_shared:
+                        v = v + cys[q]
+                    v = v + csum[q]
+                    out[m, d] = v
+                    if has_tee:
+                        tee[m, d] = v
         if tid == 0:
             tickets[x] = 0
 
     kern.__name__ = (f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}"
                      f"{f'_tc{tc}r{tc_rt}' if tc else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
-                     f"{f'_st{tc_st}' if tc_st else ''}{'_fit' if tc_fit else ''}{'_fo' if tc_fo else ''}")
-    k = cuda.jit(kern)
+                     f"{f'_st{tc_st}' if tc_st else ''}{'_fit' if tc_fit else ''}{'_fo' if tc_fo else ''}"
+                     f"{f'_r{regs}' if regs else ''}{f'_cmb{cmb}' if cmb != 1 else ''}{f'_k{kc}' if kc else ''}")
+    k = cuda.jit(kern, max_registers=regs) if regs and not IS_SIM else cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
 
@@ -1947,7 +1989,10 @@ class V2Tiles:
     `scripts/bench_moe.py --sweep`'s tc_regs128. s_fo (with tc_fo): the shared experts' GEMMs on their fragment-ordered
     copy too (kernel B's shared down; kernel A's shared gate_up with xh; ``SHARED_FO``). xh (with tc_hilo; set by
     :func:`v2_launches` where the caller gives ``b_hl``): b arrives in the hi / lo layout too; kernel A's logits blocks
-    write no b_perm, its shared gate_up and kernel B's routed gate_up read b_hl.
+    write no b_perm, its shared gate_up and kernel B's routed gate_up read b_hl. c_regs: kernel C's register cap a
+    thread on tensor cores (0: ptxas's choice; ``C_REGS``); cmb: the outputs a thread of kernel C's ticketed combine
+    keeps in flight (``C_CMB``); kc: the top_k that combine's slot loop is compiled for, unrolled (0: the loop
+    over the layer's; v2_tiles sets it with ``C_CMB``, _v2_plan drops it where the layer's top_k differs).
     """
 
     nw: int = 4
@@ -1980,6 +2025,9 @@ class V2Tiles:
     tc_regs: int = 0
     s_fo: bool = False
     xh: bool = False
+    c_regs: int = 0
+    cmb: int = 1
+    kc: int = 0
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -2018,9 +2066,10 @@ def v2_tiles(M: int, top_k: int, E: int | None = None, D: int | None = None, fo:
         tiles = _tc_tiles(M)  # jc = 1: a block of kernel C is one expert's pass
         t = replace(t, tc=tiles, jc=1, tc_hilo=TC_HILO and (TC_FIT or tiles == 4), tc_split=TC_SPLIT, tc_fit=TC_FIT)
         t = replace(t, tiled=t.tc_hilo and 0 < TILED_MIN_M <= M, tc_fo=TC_FO != "0" and t.tc_hilo)
-        t = replace(t, s_fo=SHARED_FO and t.tc_fo)
+        t = replace(t, s_fo=SHARED_FO and t.tc_fo, c_regs=C_REGS if tiles == 2 else 0)
         if A_TT:
             t = a_token_tiles(t, A_TT)
+    t = replace(t, cmb=C_CMB, kc=top_k if C_KC else 0)
     if E is not None and D is not None and not IS_SIM:
         if t.jc > 1 and cdiv(D, t.nw_c * t.nr_c) * min(E, M * top_k) <= _C_ONE_WAVE:
             t = replace(t, jc=1)
@@ -2096,7 +2145,8 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
     return (_v2_route_kernel(t.nw, epw, epw, t.nr, t.tt_s, t.u, t.u_l, t.cs_s, t.rt, tcn, split, hilo, xh, xh and s_fo),
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
                                kw, st, t.tc_ot if tcn else 1, fit, fo, t.tc_regs, s_fo),
-            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, fit, fo))
+            _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, fit, fo,
+                            t.c_regs if tcn else 0, t.cmb, t.kc))
 
 
 def _v2_plan(L, S, M: int, tiles: V2Tiles | None = None, b_hl: bool = False) -> V2Tiles:
@@ -2116,6 +2166,8 @@ def _v2_plan(L, S, M: int, tiles: V2Tiles | None = None, b_hl: bool = False) -> 
         t = replace(t, tc_fo=False)
     if t.s_fo and (L._sgu_fo is None or not t.tc_fo):  # (no shared experts, or no copy of them)
         t = replace(t, s_fo=False)
+    if t.kc and t.kc != k:  # (kernel C's combine compiled for another top_k)
+        t = replace(t, kc=0)
     return replace(t, xh=bool(b_hl) and t.hilo(L._epw) and not t.ab)
 
 
@@ -2742,7 +2794,10 @@ def _register() -> None:
               # ... below it (s43a: KDT_MOE_TC_M=1 KDT_MOE_TC_LOAD=0)
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)]  # model_code (the small-model rules)
               + [replace(v2_tiles(M, 8), xh=True, s_fo=True) for M in (16, 64, 256)]  # b_hl from the norm (B_HILO)
-              + [replace(v2_tiles(64, 8), xh=True, s_fo=False), replace(v2_tiles(64, 8), s_fo=True)])  # ... alone
+              + [replace(v2_tiles(64, 8), xh=True, s_fo=False), replace(v2_tiles(64, 8), s_fo=True)]  # ... alone
+              + [replace(v2_tiles(64, 8), c_regs=0, cmb=1, kc=0), replace(v2_tiles(64, 8), cmb=4, kc=0),
+                 replace(v2_tiles(64, 8), c_regs=96, cmb=4)]  # kernel C as before session 53, its combine's forms
+              + [replace(v2_tiles(64, 8), nw_c=8, tc_kw=4)])  # ... in blocks of 8 warps, 2 row groups
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
 
