@@ -1425,8 +1425,9 @@ A_TT = int(os.environ.get("KDT_MOE_A_TT", "4"))
 # 4 warps an SM. And the last block of each row tile combines M x R outputs, a thread's outputs one after another,
 # each a chain of L1 and L2 loads (~12-15 us at 65 tokens); the last row tiles' combines are the launch's tail.
 # C_REGS caps C's registers at 2 token tiles a pass (80: no spill, 6 blocks an SM; at 4 tiles ptxas takes 128 and
-# spills below ~104), C_CMB keeps that many outputs of a thread in flight and C_KC unrolls each one's slots (top_k known
-# to the compiler: its loads issued before the first is used). Session 53 (H100, Moonlight, 60 experts at 65 tokens,
+# spills below ~104), C_CMB keeps that many outputs of a thread in flight and C_KC compiles each one's slot loop for
+# top_k (LLVM unrolls it: more of its loads in flight; at 80 registers ptxas issues a slot's loads for both outputs,
+# uncapped both slots' of an unrolled pair). Session 53 (H100, Moonlight, 60 experts at 65 tokens,
 # `scripts/bench_moe.py --parts`, kernel C's added time; s53a): 151.3 us before, capped at 96 / 80 146.3 / 146.4, 4
 # outputs 149.6, kc 141.9, 2 outputs with kc 137.5, 4 with kc 143.6, **80 registers, 2 outputs with kc 132.0**; in the
 # engine's graphs (s53b, one process): the budget-64 oracle step 13498.0 -> 13218.2 (2 outputs, kc) -> 13077.2 us (and
@@ -1904,8 +1905,8 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
         cuda.threadfence()
         k = pos_of.shape[1]
         n_out = M * R
-        for i0 in range(tid, n_out, NT * CMB):  # CMB outputs a thread, every load before the first use (past the
-            for q in range(CMB):  # tile: clamped, loaded, not stored)
+        for i0 in range(tid, n_out, NT * CMB):  # CMB outputs a thread, their loads side by side (past the tile:
+            for q in range(CMB):  # clamped, loaded, not stored)
                 i = min(i0 + q * NT, n_out - 1)
                 m = i // R
                 d = min(x * R + i % R, D - 1)
