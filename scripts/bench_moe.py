@@ -139,13 +139,14 @@ def _other_variants(t: moe.V2Tiles, M: int, k: int) -> list[tuple[str, moe.V2Til
             ("A_tiles8", moe.a_token_tiles(t, 8)), ("A_tiles4", moe.a_token_tiles(t, 4)),
             ("A_tiles2", moe.a_token_tiles(t, 2)),
             # kernel C uncapped / at 96 / 80 registers (4 / 5 / 6 blocks an SM); its combine's outputs 1 / 2 / 4 a
-            # thread in flight, each one's top_k slots unrolled (kc) or not (session 53's s53a)
+            # thread in flight, each one's top_k slots unrolled (kc) or not (session 53's s53a; 4 outputs spill at 80)
             ("C_uncapped", r(t, c_regs=0)), ("C_regs96", r(t, c_regs=96)), ("C_regs80", r(t, c_regs=80)),
-            ("C_cmb1", r(t, cmb=1)), ("C_cmb4", r(t, cmb=4)), ("C_no_kc", r(t, kc=0)),
-            ("C_cmb4_no_kc", r(t, cmb=4, kc=0)),
+            ("C_cmb1", r(t, cmb=1)), ("C_regs96_cmb4", r(t, c_regs=96, cmb=4)), ("C_no_kc", r(t, kc=0)),
+            ("C_cmb4_no_kc", r(t, c_regs=0, cmb=4, kc=0)),
             # kernel C in blocks of 8 warps, 2 row groups of 4 (64 rows a block, a warp's share of K as now; kernel B's
             # 4 warps are then one group as before)
-            ("C_8warps_kw4", r(t, nw_c=8, tc_kw=4))]
+            ("C_8warps_kw4", r(t, nw_c=8, tc_kw=4)),
+            ("C_fence1", r(t, c_fence1=True))]  # kernel C's ticket fenced by thread 0 alone (cooperative groups' way)
     tcv = r(t, tc=2, jc=1, tc_split=True)  # tensor cores below their first M (bf16; other weights: the FMA tiles)
     tcs = [("tc2", tcv), ("tc2_fit", r(tcv, tc_fit=True)), ("tc2_fit_hilo", r(tcv, tc_fit=True, tc_hilo=True))
            ] if 8 <= M < moe.TC_MIN_M else []

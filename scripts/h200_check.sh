@@ -1905,9 +1905,10 @@ s53c)  # session 53, issue 7: the gpu tests and kdt verify with kernel C's new d
     ab_repeated_moonlight or code_shape_gpu or (test_moe_forward_moonlight_tiles and (c_regs or cmb))"
   tparts ${TEST_TIMEOUT:-330} engine tests/test_engine_cuda.py -k "invariant_200 or graph_replay"
   verify_beside_tparts 150 1 kern engine
-  # then kernel C's forms at 65 tokens again with the new defaults (C_s52: as before session 53) and in blocks of 8 warps
+  # then kernel C's forms at 65 tokens again with the new defaults (C_s52: as before session 53), in blocks of 8 warps
+  # and with its ticket fenced by thread 0 alone
   step moe_c ${MOE_TIMEOUT:-200} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --parts --sweep \
-    --only "v2,v2 C_s52,v2 C_uncapped,v2 C_cmb1,v2 C_no_kc,v2 C_8warps_kw4" --jobs 12 \
+    --only "v2,v2 C_s52,v2 C_uncapped,v2 C_cmb1,v2 C_no_kc,v2 C_8warps_kw4,v2 C_fence1" --jobs 12 \
     --json "$OUT/moe-c-$day-moonlight-s53c.json"
   grep -h "v2\|C down\|Error\|error" "$OUT/moe_c.log" | cut -c1-150 ;;
 s48b|s53d)  # session 48: kdt bench on the final code (after s48a), JSON named by the mode (s53d: session 53's)

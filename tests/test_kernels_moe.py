@@ -549,7 +549,9 @@ V2_SIM_TILES.update(tc2_fit=replace(V2_SIM_TILES["tc2"], tc_fit=True),
 # rows past D clamped; 17 x 32 outputs over 64 threads x 3: the last group partly past them); 2 outputs a thread with
 # the loop over the slots, on the FMA tiles (17 x 4 outputs over 64 threads x 2) and on tensor cores (11 x 16 over 96
 # x 2, the last row tile partly past D = 36)
-V2_SIM_TILES.update(tc_cmb3_kc=replace(V2_SIM_TILES["tc"], cmb=3, kc=4), tc2_cmb2=replace(V2_SIM_TILES["tc2"], cmb=2),
+# (and kernel C's ticket fenced by thread 0 alone, c_fence1)
+V2_SIM_TILES.update(tc_cmb3_kc=replace(V2_SIM_TILES["tc"], cmb=3, kc=4, c_fence1=True),
+                    tc2_cmb2=replace(V2_SIM_TILES["tc2"], cmb=2),
                     cmb2=moe.V2Tiles(nw=2, nr=4, u=2, tt=2, tt_s=2, u_l=2, nw_c=2, nr_c=2, tt_c=2, u_c=2, jc=2,
                                      cs_s=False, cmb=2))
 _V2_GROUPED = dict(n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
@@ -826,15 +828,21 @@ def test_v2_kernel_b_register_cap():
 
 
 def test_v2_kernel_c_register_cap_and_combine():
-    """c_regs caps kernel C's registers on tensor cores, cmb / kc shape its combine (its name says so); the FMA tiles
-    ignore c_regs; a kc other than the layer's top_k is dropped (the combine's loop over pos_of's slots)."""
-    cfg = _cfg(**_V2_GROUPED)
+    """c_regs caps kernel C's registers on tensor cores in fragment order and one row group, cmb / kc shape its combine
+    and c_fence1 its ticket (its name says so); natural order, row groups and the FMA tiles drop c_regs; a kc other than
+    the layer's top_k is dropped (the combine's loop over pos_of's slots)."""
+    cfg = _cfg(**dict(_V2_GROUPED, hidden_size=32, moe_intermediate_size=16))
     layer = moe.MoEWeights.from_hf(cfg, _layer_weights(np.random.default_rng(0), cfg), PREFIX, BF16)
+    assert layer.fragment_order()
     scratch = moe.MoEScratch.allocate(cfg, 17)
     k = cfg.num_experts_per_tok
     tc_t, fma_t = V2_SIM_TILES["tc_hilo"], moe.v2_tiles(17, k)
-    for tiles, want in ((replace(tc_t, c_regs=80, cmb=2, kc=k), f"_r80_cmb2_k{k}"), (replace(tc_t, kc=k + 1), "_hilo"),
-                        (replace(fma_t, c_regs=80, cmb=4, kc=k), f"_cs_cmb4_k{k}"), (tc_t, "_hilo")):
+    fo_t = replace(tc_t, tc_fo=True)
+    for tiles, want in ((replace(fo_t, c_regs=80, cmb=2, kc=k), f"_fo_r80_cmb2_k{k}"),
+                        (replace(tc_t, kc=k + 1), "_hilo"), (replace(tc_t, c_regs=80), "_hilo"),
+                        (replace(fo_t, c_regs=80, tc_kw=1), "_kw1_fo"),
+                        (replace(fma_t, c_regs=80, cmb=4, kc=k), f"_cs_cmb4_k{k}"), (tc_t, "_hilo"),
+                        (replace(tc_t, c_fence1=True), "_hilo_f1")):
         names = [ln.kernel.py_func.__name__ for ln in moe.v2_launches(None, layer, scratch, None, 17, False, tiles)]
         assert names[2].endswith(want) and "_r80" not in names[1], names
     t = moe.v2_tiles(17, k)

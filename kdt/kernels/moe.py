@@ -1424,8 +1424,9 @@ A_TT = int(os.environ.get("KDT_MOE_A_TT", "4"))
 # block's start and its end (the reduction over warps, the stores, the ticket); ptxas takes 98 registers, 4 blocks of
 # 4 warps an SM. And the last block of each row tile combines M x R outputs, a thread's outputs one after another,
 # each a chain of L1 and L2 loads (~12-15 us at 65 tokens); the last row tiles' combines are the launch's tail.
-# C_REGS caps C's registers at 2 token tiles a pass (80: no spill, 6 blocks an SM; at 4 tiles ptxas takes 128 and
-# spills below ~104), C_CMB keeps that many outputs of a thread in flight and C_KC compiles each one's slot loop for
+# C_REGS caps C's registers at 2 token tiles a pass in fragment order, one row group (80: no spill, 6 blocks an SM; at 4
+# tiles ptxas takes 128 and spills below ~104; at 80 the natural order spills 164 bytes, the staged forms 108-248, 2 row
+# groups 8), C_CMB keeps that many outputs of a thread in flight and C_KC compiles each one's slot loop for
 # top_k (LLVM unrolls it: more of its loads in flight; at 80 registers ptxas issues a slot's loads for both outputs,
 # uncapped both slots' of an unrolled pair). Session 53 (H100, Moonlight, 60 experts at 65 tokens,
 # `scripts/bench_moe.py --parts`, kernel C's added time; s53a): 151.3 us before, capped at 96 / 80 146.3 / 146.4, 4
@@ -1821,7 +1822,7 @@ def _v2_ab_kernel(t: V2Tiles, epw: int):
 
 def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: int = 0, tc_rt: int = 2,
                     hilo: bool = False, tc_kw: int = 0, tc_st: int = 0, tc_fit: bool = False, tc_fo: bool = False,
-                    tc_regs: int = 0, cmb: int = 1, kc: int = 0):
+                    tc_regs: int = 0, cmb: int = 1, kc: int = 0, fence1: bool = False):
     """Kernel C. Block b = x * n_chunks + c: rows [x*R, x*R + R) of D (R = nw * nr, nr per warp) for
     the active experts j in [c*jc, (c+1)*jc) (all their tokens, tiles of tt; the warps share each
     expert's activation rows through L1) -> y[p, rows]. The last block of row tile x (atomic ticket,
@@ -1833,13 +1834,15 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
     the routed down's loads staged, tc_fit: its short passes on fewer token tiles, tc_fo: wdn in fragment order
     (:func:`_tc_down`); tc_regs: its register cap a thread on tensor cores (0: ptxas's choice); cmb: the combine's
     outputs a thread in flight, kc: its slots a token (top_k, pos_of.shape[1]) known to the compiler, their loads
-    unrolled (0: a loop over pos_of.shape[1]); the same sums in the same order either way."""
+    unrolled (0: a loop over pos_of.shape[1]); the same sums in the same order either way. fence1: the ticket's fences
+    by thread 0 alone, after the block's barrier (cooperative groups' grid sync does so; else every thread fences its
+    own stores, then the barrier)."""
     tc_kw = _row_groups(nw, tc_kw)[0]
     regs = tc_regs if tc else 0
-    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st, tc_fit, tc_fo, regs, cmb, kc)
+    key = ("C", nw, epw, nr, tt, u, cs, tc, tc_rt, hilo, tc_kw, tc_st, tc_fit, tc_fo, regs, cmb, kc, fence1)
     if key in _V2_CACHE:
         return _V2_CACHE[key]
-    NW, NT, EPW, NR, TT, TC, CMB, KC = nw, nw * WARP, epw, nr, tt, tc, cmb, kc
+    NW, NT, EPW, NR, TT, TC, CMB, KC, FENCE1 = nw, nw * WARP, epw, nr, tt, tc, cmb, kc, fence1
     R = TC_ROWS * tc_rt * _row_groups(nw, tc_kw)[2] if tc else nw * nr
     down_tc = (_tc_down(nw, tc_rt, tc, u, cs, XL_HILO if hilo else XL_PERM, tc_kw, tc_st, tc_fit, tc_fo)
                if tc else None)  # (rows [x R, x R + R))
@@ -1895,14 +1898,20 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
                         for r in range(NR):
                             if d0 + r < D:
                                 y[p0 + lane, d0 + r] = sel[r]
-        cuda.threadfence()
+        if not FENCE1:
+            cuda.threadfence()
         cuda.syncthreads()
-        if tid == 0:
+        if tid == 0:  # (FENCE1: the barrier orders the block's stores before thread 0's fence, which releases them)
+            if FENCE1:
+                cuda.threadfence()
             flag[0] = 1 if cuda.atomic.add(tickets, x, 1) == n_chunks - 1 else 0
+            if FENCE1 and flag[0] == 1:
+                cuda.threadfence()
         cuda.syncthreads()
         if flag[0] == 0:
             return
-        cuda.threadfence()
+        if not FENCE1:
+            cuda.threadfence()
         k = pos_of.shape[1]
         n_out = M * R
         for i0 in range(tid, n_out, NT * CMB):  # CMB outputs a thread, their loads side by side (past the tile:
@@ -1938,7 +1947,8 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
     kern.__name__ = (f"moe2_down_nw{nw}_e{epw}_nr{nr}_tt{tt}_u{u}{'_cs' if cs else ''}"
                      f"{f'_tc{tc}r{tc_rt}' if tc else ''}{'_hilo' if hilo else ''}{f'_kw{tc_kw}' if tc_kw else ''}"
                      f"{f'_st{tc_st}' if tc_st else ''}{'_fit' if tc_fit else ''}{'_fo' if tc_fo else ''}"
-                     f"{f'_r{regs}' if regs else ''}{f'_cmb{cmb}' if cmb != 1 else ''}{f'_k{kc}' if kc else ''}")
+                     f"{f'_r{regs}' if regs else ''}{f'_cmb{cmb}' if cmb != 1 else ''}{f'_k{kc}' if kc else ''}"
+                     f"{'_f1' if fence1 else ''}")
     k = cuda.jit(kern, max_registers=regs) if regs and not IS_SIM else cuda.jit(kern)
     _V2_CACHE[key] = k
     return k
@@ -1991,9 +2001,11 @@ class V2Tiles:
     copy too (kernel B's shared down; kernel A's shared gate_up with xh; ``SHARED_FO``). xh (with tc_hilo; set by
     :func:`v2_launches` where the caller gives ``b_hl``): b arrives in the hi / lo layout too; kernel A's logits blocks
     write no b_perm, its shared gate_up and kernel B's routed gate_up read b_hl. c_regs: kernel C's register cap a
-    thread on tensor cores (0: ptxas's choice; ``C_REGS``); cmb: the outputs a thread of kernel C's ticketed combine
+    thread on tensor cores in fragment order and one row group (tc_fo, tc_kw = 0; elsewhere dropped: 0, ptxas's
+    choice; ``C_REGS``); cmb: the outputs a thread of kernel C's ticketed combine
     keeps in flight (``C_CMB``); kc: the top_k that combine's slot loop is compiled for, unrolled (0: the loop
-    over the layer's; v2_tiles sets it with ``C_CMB``, _v2_plan drops it where the layer's top_k differs).
+    over the layer's; v2_tiles sets it with ``C_CMB``, _v2_plan drops it where the layer's top_k differs); c_fence1:
+    kernel C's ticket fenced by thread 0 alone after the block's barrier (built in session 53, not timed; off).
     """
 
     nw: int = 4
@@ -2029,6 +2041,7 @@ class V2Tiles:
     c_regs: int = 0
     cmb: int = 1
     kc: int = 0
+    c_fence1: bool = False
 
     def hilo(self, epw: int = 4) -> bool:
         """The tensor cores' GEMM inputs are hi / lo (tc_hilo, on tensor cores: bf16 weights, epw = 4 a word)."""
@@ -2147,7 +2160,7 @@ def _v2_kernels(t: V2Tiles, epw: int) -> tuple:
             _v2_gate_up_kernel(t.nw, epw, t.nr, t.tt, t.tt_s, t.u, t.cs, t.cs_s, t.sd_first, tcn, t.tc_rt, split, hilo,
                                kw, st, t.tc_ot if tcn else 1, fit, fo, t.tc_regs, s_fo),
             _v2_down_kernel(t.nw_c, epw, t.nr_c, t.tt_c, t.u_c, t.cs, tcn, t.tc_rt, hilo, kw, st, fit, fo,
-                            t.c_regs if tcn else 0, t.cmb, t.kc))
+                            t.c_regs if fo and not kw else 0, t.cmb, t.kc, t.c_fence1))
 
 
 def _v2_plan(L, S, M: int, tiles: V2Tiles | None = None, b_hl: bool = False) -> V2Tiles:
@@ -2796,9 +2809,10 @@ def _register() -> None:
               + [v2_tiles(M, 2, 8, 256) for M in (17, 65)]  # model_code (the small-model rules)
               + [replace(v2_tiles(M, 8), xh=True, s_fo=True) for M in (16, 64, 256)]  # b_hl from the norm (B_HILO)
               + [replace(v2_tiles(64, 8), xh=True, s_fo=False), replace(v2_tiles(64, 8), s_fo=True)]  # ... alone
-              + [replace(v2_tiles(64, 8), c_regs=0, cmb=1, kc=0), replace(v2_tiles(64, 8), cmb=4, kc=0),
+              + [replace(v2_tiles(64, 8), c_regs=0, cmb=1, kc=0), replace(v2_tiles(64, 8), c_regs=0, cmb=4, kc=0),
                  replace(v2_tiles(64, 8), c_regs=96, cmb=4)]  # kernel C as before session 53, its combine's forms
-              + [replace(v2_tiles(64, 8), nw_c=8, tc_kw=4)])  # ... in blocks of 8 warps, 2 row groups
+              + [replace(v2_tiles(64, 8), nw_c=8, tc_kw=4), replace(v2_tiles(64, 8), c_fence1=True)])  # ... in
+    # blocks of 8 warps (2 row groups), its ticket fenced by thread 0 alone
     sig_ab = sig_a + (u3, f2, u3, f2, int64, int64, int64, i1)
     h16, h64 = uint16[:, ::1], uint64[:, ::1]  # the hi / lo layout's views (tc_hilo)
 
