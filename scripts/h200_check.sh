@@ -1883,8 +1883,8 @@ s52b)  # next session, issue 7: which launch of the AR step is slower with GROUP
 s53a)  # session 53, issue 7: kernel C at 65 tokens (s51b: 156 us for 64 experts' 369 MB, ~78% of copy, where kernel B's
   # routed gate_up ran at ~100%): capped at 96 / 80 registers (5 / 6 blocks an SM) and its ticketed combine with 1 / 2 /
   # 4 outputs a thread in flight, a token's slots compiled in (kc) or not (bench_moe's sweep variants, --parts: C's
-  # added time); beside it the gpu tests of those tiles at Moonlight's shape (its variant names are the run's, before a453fec; the
-  # defaults then took them, and bench_moe's sweep now names the forms around the new default: s53c)
+  # added time); beside it the gpu tests of those tiles at Moonlight's shape (its variant names are the run's, before
+  # a453fec; the defaults then took them, and bench_moe's sweep now names the forms around the new default: s53c)
   tparts ${TEST_TIMEOUT:-300} kern tests/test_kernels_moe.py -k "test_moe_forward_moonlight_tiles and (c_regs or cmb)"
   step moe_c ${MOE_TIMEOUT:-420} python3 scripts/bench_moe.py --presets moonlight-16b-a3b --M 65 --parts --sweep \
     --only "v2,v2 C_regs96,v2 C_regs80,v2 C_cmb4,v2 C_kc,v2 C_cmb2_kc,v2 C_cmb4_kc,v2 C_regs80_cmb2_kc,v2 \
