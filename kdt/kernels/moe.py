@@ -1922,14 +1922,9 @@ def _v2_down_kernel(nw: int, epw: int, nr: int, tt: int, u: int, cs: bool, tc: i
                 cm[q], cd[q] = m, d
                 cout[q], cys[q] = out[m, d], y_shared[m, d]  # (y_shared: [M_max, D] with or without shared experts)
                 csum[q] = float32(0.0)
-            if KC:
-                for s in range(KC):
-                    for q in range(CMB):
-                        csum[q] += topk_w[cm[q], s] * ldcg2(y, pos_of[cm[q], s], cd[q])
-            else:
-                for s in range(k):
-                    for q in range(CMB):
-                        csum[q] += topk_w[cm[q], s] * ldcg2(y, pos_of[cm[q], s], cd[q])
+            for s in range(KC if KC else k):  # (KC: a trip count the compiler knows)
+                for q in range(CMB):
+                    csum[q] += topk_w[cm[q], s] * ldcg2(y, pos_of[cm[q], s], cd[q])
             for q in range(CMB):
                 i = i0 + q * NT
                 m, d = cm[q], cd[q]
