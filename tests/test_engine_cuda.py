@@ -220,6 +220,39 @@ def test_forward_attn_fo_keeps_the_bits(monkeypatch, rng):
 
 
 @sim_only
+def test_forward_post_norm_keeps_the_bits(monkeypatch, rng):
+    """The MoE's input norm in o_proj's launch (linear.POST_NORM_MAX_M; forced up to 8 tokens here, so a prefill of
+    5, a tree of 3 and an AR step of 1 all take it): o_proj with ``post`` in every MoE layer and linear_v2 folding it
+    in, the logits the same bits as with the separate norm, and the reference's to the bound (bf16 weights)."""
+    from kdt.kernels import linear as lin
+
+    assert MICRO.n_moe_layers > 0
+    w = random_weights(MICRO, int(rng.integers(1 << 30)))
+    P = 5
+    prompt = rng.integers(0, MICRO.vocab_size, P)
+    vis = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    toks, pos = rng.integers(0, MICRO.vocab_size, 3), P + np.array([0, 1, 1])
+    nxt = rng.integers(0, MICRO.vocab_size, 1)
+    folded = []
+    run = lin.linear_v2
+    monkeypatch.setattr(lin, "linear_v2", lambda *a, post=None, **k: folded.append(post is not None) or run(
+        *a, post=post, **k))
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(lin, "POST_NORM_MAX_M", 8 if on else 0)
+        folded.clear()
+        cm = cuda_model(MICRO, w, "bf16")
+        outs[on] = [np.array(cm.forward(prompt, np.arange(P), 0, causal_block(P))),
+                    np.array(cm.forward(toks, pos, P, vis)), np.array(cm.forward(nxt, [P], P, np.ones((1, 1), bool)))]
+        assert sum(folded) == (3 * MICRO.n_moe_layers if on else 0), (on, folded)
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert np.array_equal(a, b)
+    ref = RefModel(MICRO, w, max_len=40)
+    assert rel_err(outs[True][0], ref.forward(prompt, np.arange(P), 0, causal_block(P))) < 1e-5
+    assert rel_err(outs[True][1], ref.forward(toks, pos, P, vis)) < 1e-5
+
+
+@sim_only
 def test_forward_moe_b_hilo_keeps_the_bits(monkeypatch, rng):
     """The MoE's norm writing its output in the hi / lo layout too (Buffers.a_hl, kdt.kernels.moe.B_HILO) for the
     layer's tensor cores, with the shared experts in fragment order (moe.SHARED_FO; both on by force at MICRO's size:

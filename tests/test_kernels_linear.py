@@ -213,6 +213,88 @@ def test_linear_norm_rejects_bad_weights():
         lin.linear_v2(x, W, y, norm=(cuda.to_device(np.ones(7, np.float32)), 1e-6))
 
 
+# ---- the norm after the projection: linear(..., post=(pw, eps, a, a_hl)), linear_v2's POST ---------------------
+# (M, N, K, wdtype, accumulate, tm, splits, warps). In the simulator rmsnorm's block is 32 threads: N = 300 takes
+# its 4-load loop twice, then the leftover loop; 3 K-splits (the row ticket after the split-K's); a partial token
+# tile of 4 (M = 3); two token tiles (M = 5) of blocks of 3 warps; N = 20 under the norm's block (one pass, lanes idle)
+V2_POST_CASES = [(1, 300, 64, "f32", True, 1, 1, None), (1, 70, 130, "bf16", True, 1, 3, None),
+                 (3, 37, 40, "f32", False, 4, 2, None), (5, 40, 64, "bf16", True, 4, 1, 3),
+                 (1, 20, 48, "f32", False, 1, 2, None)]
+# the GPU: Moonlight's o_proj at one token as the engine runs it (the plan's K-splits), the tiny fixture's (f32),
+# and a forced single split
+V2_POST_GPU_CASES = [(1, 2048, 2048, "bf16", True, None, None, None), (1, 256, 256, "f32", True, None, None, None),
+                     (1, 2048, 2048, "bf16", True, 1, 1, None), (1, 7168, 7168, "bf16", True, None, None, None)]
+
+
+def _check_post(rng, M, N, K, wdtype, accumulate, tm, splits, warps, runs=2):
+    """linear_v2(..., post=(pw, eps, a)): y against float64, a against float64's norm of the reference y, and a
+    bit for bit against elementwise.rmsnorm of the kernel's own y; ``runs`` launches on one scratch with fresh x
+    (the tickets back at zero), y and a poisoned before each."""
+    W_store, W_seen, _ = _weights(rng, N, K, wdtype)
+    d_W = cuda.to_device(W_store)
+    pw = (1 + 0.2 * rng.standard_normal(N)).astype(np.float32)
+    d_pw, eps = cuda.to_device(pw), 1e-6
+    for _ in range(runs):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        y0 = (rng.standard_normal((M, N)) * 2).astype(np.float32) if accumulate else poisoned((M, N))
+        d_y, d_a = cuda.to_device(y0), cuda.to_device(poisoned((M, N)))
+        lin.linear_v2(cuda.to_device(x), d_W, d_y, accumulate, tm=tm, splits=splits, warps=warps,
+                      post=(d_pw, eps, d_a))
+        ref = linear_ref(x.astype(np.float64), W_seen) + (y0.astype(np.float64) if accumulate else 0.0)
+        y = d_y.copy_to_host()
+        assert rel_err(y, ref) < FP32_BOUND
+        a = d_a.copy_to_host()
+        assert rel_err(a, rmsnorm_ref(ref, pw, eps)) < 2e-6
+        d_a2 = cuda.to_device(poisoned((M, N)))
+        ew.rmsnorm(cuda.to_device(y), d_pw, eps, d_a2)
+        np.testing.assert_array_equal(a, d_a2.copy_to_host())
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("M,N,K,wdtype,accumulate,tm,splits,warps", V2_POST_CASES)
+def test_linear_post_norm_sim(rng, M, N, K, wdtype, accumulate, tm, splits, warps):
+    """The norm after the projection in its launch: the block that finishes a token tile's last output tile
+    normalises its rows, the separate norm's bits."""
+    _check_post(rng, M, N, K, wdtype, accumulate, tm, splits, warps)
+
+
+@pytest.mark.kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,wdtype,accumulate,tm,splits,warps", V2_POST_GPU_CASES)
+def test_linear_post_norm_gpu(rng, M, N, K, wdtype, accumulate, tm, splits, warps):
+    """The same on the GPU at the engine's shapes (rmsnorm's 512 threads stood in for by 128: its shuffles)."""
+    _check_post(rng, M, N, K, wdtype, accumulate, tm, splits, warps, runs=3)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("fused", [True, False])
+def test_linear_post_norm_dispatch(rng, monkeypatch, fused):
+    """linear(..., post=...) folds the norm into linear_v2 where fuses_post (POST_NORM_MAX_M), else launches
+    elementwise.rmsnorm after the projection (with a_hl, always: the fold writes no hi / lo); a is the same
+    either way."""
+    monkeypatch.setattr(lin, "POST_NORM_MAX_M", 1 if fused else 0)
+    M, N, K = 1, 40, 64
+    W_store, W_seen, _ = _weights(rng, N, K, "f32")
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    pw = (1 + 0.2 * rng.standard_normal(N)).astype(np.float32)
+    d_x, d_W, d_pw = cuda.to_device(x), cuda.to_device(W_store), cuda.to_device(pw)
+    assert lin.fuses_post(d_x, d_W) == fused
+    assert not lin.fuses_post(d_x, d_W, a_hl=cuda.to_device(np.zeros((M, 2 * N), np.uint16)))
+    assert not lin.fuses_post(cuda.to_device(np.zeros((2, K), np.float32)), d_W)
+    d_y, d_a = cuda.to_device(poisoned((M, N))), cuda.to_device(poisoned((M, N)))
+    d_hl = cuda.to_device(np.zeros((M, 2 * N), np.uint16))
+    lin.linear(d_x, d_W, d_y, post=(d_pw, 1e-6, d_a, None))
+    a = d_a.copy_to_host()
+    ref = linear_ref(x.astype(np.float64), W_seen)
+    assert rel_err(a, rmsnorm_ref(ref, pw, 1e-6)) < 2e-6
+    d_a2 = cuda.to_device(poisoned((M, N)))
+    lin.linear(d_x, d_W, d_y, post=(d_pw, 1e-6, d_a2, d_hl))  # (the hi / lo too: the separate norm)
+    np.testing.assert_array_equal(a, d_a2.copy_to_host())
+    assert d_hl.copy_to_host().any()
+    with pytest.raises(ValueError, match="post needs"):
+        lin.linear_v2(d_x, d_W, d_y, post=(cuda.to_device(np.ones(N + 1, np.float32)), 1e-6, d_a))
+
+
 # ---- GLU prologue: y = (silu(gate) * up) @ W^T for x = [gate | up] (dense_mlp's down projection) ------------
 # (M, N, K, wdtype, accumulate, tm, splits, warps). In the simulator a K-chunk is V2_KCW = 64 words: K = 300
 # f32 is 4 full chunks + a partial one; bf16 K = 130 (65 words) in 2 splits is one full chunk, then one word;

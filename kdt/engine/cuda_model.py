@@ -407,10 +407,13 @@ class DecoderStack:
                               max_len=self.max_len, sync=b.attn_sync)
             o = self._o(M, lw)
             mla.uv_project(b.o_lat[:M], lw.kv_b_proj, o, stream=s)
-            linear(o, lw.o_proj, x, accumulate=True, stream=s, fo=lw.o_proj_fo if ATTN_FO else None)  # x += o_proj(o)
+            # x += o_proj(o); before a MoE, a = rmsnorm(x) (in o_proj's launch where linear.fuses_post)
+            post = None
             if lw.moe is not None:
                 hl = b.a_hl is not None and any(moe.reads_b_hilo(m, lw.moe, b.moe) for _, m in chunks)
-                ew.rmsnorm(x, lw.post_attention_layernorm, eps, a, stream=s, y_hl=b.a_hl[:M] if hl else None)
+                post = (lw.post_attention_layernorm, eps, a, b.a_hl[:M] if hl else None)
+            linear(o, lw.o_proj, x, accumulate=True, stream=s, fo=lw.o_proj_fo if ATTN_FO else None, post=post)
+            if lw.moe is not None:
                 chosen = set()
                 for j, m in chunks:
                     moe.moe_forward(a[j: j + m], lw.moe, b.moe, x[j: j + m], M=m, accumulate=True, stream=s,

@@ -68,7 +68,7 @@ from numba import boolean, cuda, float32, int32, int64, uint16, uint32, uint64
 
 from kdt.kernels import elementwise as ew
 from kdt.kernels import tc, tc_tiled
-from kdt.kernels.common import IS_SIM, WARP, Src, bf16_to_f32, cdiv, jit_source, ldcg3, register_ptx
+from kdt.kernels.common import IS_SIM, WARP, Src, bf16_to_f32, cdiv, jit_source, ldcg2, ldcg3, register_ptx
 from kdt.reference.ops import linear as linear_ref  # noqa: F401  (re-exported for tests / callers)
 
 __all__ = ["linear", "linear_v1", "linear_v2", "linear_tc", "linear_ref", "SKINNY_MAX_M"]
@@ -155,6 +155,15 @@ FUSE_NORM_M_WORDS = 1 << 26
 # (``fuses_glu``, the bound of ``fuses_norm``): a compute-bound launch would pay up to ~half its instructions
 # (Moonlight's dense down, 2048 x 11264 at M = 512), where the separate silu_mul is cheap beside the GEMM.
 FUSE_GLU = os.environ.get("KDT_LINEAR_FUSE_GLU", "0") == "1"
+# The norm *after* a projection folded into it (``linear(..., post=(pw, eps, a, a_hl))``, linear_v2's POST; env
+# KDT_LINEAR_POST_NORM_M: at M <= this, 0: off). The engine's o_proj at one token (x += o_proj(o)) writes the MoE's
+# input a = rmsnorm(x) too: the block that finishes a token tile's last output tile (a second ticket after the
+# split-K's) sums the squares of the row as elementwise.rmsnorm's 512-thread block does (each of its 128 threads in
+# the place of 4; the same loads, partial sums and shuffles) and writes a, bit for bit the separate norm's. At M = 1
+# the norm is a launch of one block (2.7 us alone in the AR step's graph, s52c) plus its ~2 us of graph gap, for 8 KB;
+# the tail is ~1-1.5 us on o_proj's last tile (a fence, an atomic, 2048 floats through L2, a block sum). Predicted:
+# ~3 us a MoE layer at one token, ~80 us of the Moonlight AR step (26 layers). Off until timed.
+POST_NORM_MAX_M = int(os.environ.get("KDT_LINEAR_POST_NORM_M", "0"))
 # Tensor cores (kdt.kernels.tc: mma.sync m16n8k16, bf16 weights, x as bf16 hi + lo, fp32 sums): at M >= TC_MIN_M a
 # bf16 matrix of at least TC_MIN_WEIGHTS weights (K a multiple of 4) runs :func:`linear_tc` (session 26, on by
 # default since session 27). v2's FMA tiles are bound by fp32 FMA issue from M = 16 (17-25 TFLOP/s at M = 64:
@@ -498,7 +507,7 @@ def _v2_params(kind: str, TM: int, NR: int, U: int, warps: int) -> dict:
 
 
 def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int, KCE: int, NV: int,
-               UNPACK: tuple, WARPS: int, NORM: bool = False, GLU: bool = False, **_) -> str:
+               UNPACK: tuple, WARPS: int, NORM: bool = False, GLU: bool = False, POST: bool = False, **_) -> str:
     """Python source of the v2 kernel for one (TM, NR, PACK), every compile-time loop unrolled.
 
     Hot-loop indices are uint32 (Numba adds a negative-index wrap-around to every signed index) and
@@ -506,7 +515,9 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
     NORM: x is RMS-normalised as it is staged (y = rmsnorm(x; gw, eps) @ W^T): the block first sums the
     squares of every whole row of its token tile (each thread NT-strided columns), rstd lands in shared rs[t].
     GLU: x is [M, 2K] = [gate | up] and the staged value of column c is silu(x[m, c]) * x[m, c + K] (y =
-    (silu(gate) * up) @ W^T), the expression of elementwise.silu_mul_kernel: the same float32 bits."""
+    (silu(gate) * up) @ W^T), the expression of elementwise.silu_mul_kernel: the same float32 bits.
+    POST: then a = rmsnorm(y; pw, peps), written by the block that finishes a token tile's last row tile (see
+    :func:`_emit_post_norm`)."""
     assert not (NORM and GLU), "one prologue at a time"
     T, R, Us, Ps = range(TM), range(NR), range(U), range(PACK)
     fast = KCE % NT == 0  # full chunks are staged with compile-time offsets
@@ -522,7 +533,8 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
             return f"g / (float32(1.0) + math.exp(-g)) * {load.format(f'{c} + Kg')}"
         return load.format(c)
 
-    with s.block(f"def linear_v2(x, W, Kw, y, part, tickets, ks, accumulate{', gw, eps' if NORM else ''}):"):
+    extra = (", gw, eps" if NORM else "") + (", pw, peps, a" if POST else "")
+    with s.block(f"def linear_v2(x, W, Kw, y, part, tickets, ks, accumulate{extra}):"):
         s('"""x[M, K] f32, W[N * Kw] weight words (row-major [N, Kw], Kw = K / PACK, N * Kw < 2**32),')
         s("y[M, N] f32: y = x @ W^T (+ y), or,")
         s("with gridDim.z = S > 1, part[s, M, N] = the partial sum over words [s * ks, (s + 1) * ks), and")
@@ -687,6 +699,8 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                             s(f"tot += y[tb + {b * RB // NR}, n]")
                         s(f"y[tb + {b * RB // NR}, n] = tot")
         # ---- split-K: the last block of the tile (bx, by) to finish adds the S partials, in split order
+        if POST:
+            s("fin = True  # this block finished its tile's y (POST: the row ticket below)")
         with s.block("if cuda.gridDim.z > 1:"):
             s("flag = cuda.shared.array(1, int32)")
             s("tile = cuda.blockIdx.x * cuda.gridDim.y + cuda.blockIdx.y")
@@ -711,22 +725,127 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                         s("y[m, n] = tot")
                 with s.block("if tid == 0:"):
                     s("tickets[tile] = 0  # every ticket of this launch is taken: ready for the next")
+            if POST:
+                s("fin = flag[0] != 0")
+        if POST:
+            _emit_post_norm(s, TM, WARPS)
     return s.text()
 
 
+def _emit_post_norm(s: Src, TM: int, WARPS: int) -> None:
+    """POST's epilogue: a[m] = rmsnorm(y[m]; pw, peps) for the token tile's rows, by the block that finishes the
+    tile's last row tile (a ticket a token tile, tickets[gridDim.x * gridDim.y + bx], after the split-K tickets;
+    zero between launches). It sums the squares of a row as :func:`kdt.kernels.elementwise.rmsnorm`'s block of
+    NTH = NORM_THREADS threads does, each thread in the place of NTH / NT of them (the simulator: thread tid < NTH
+    of its own): their four partial sums, the same warp shuffles and the same sum over warps, so a is the separate
+    norm's a, bit for bit. y is read through L2 (other blocks of the launch wrote it). The values of each virtual
+    thread's first trip of four (v, v + NTH, v + 2 NTH, v + 3 NTH; clamped to the row) and their norm weights are
+    loaded first, all at once, and a is written from them: a row of up to 4 NTH columns (Moonlight's 2048) costs
+    one round trip to L2, not one a column (a first version, loads in loops: the norm 6 us slower than its launch)."""
+    NT, NTH = WARPS * WARP, ew.NORM_THREADS
+    if (NT < NTH) if IS_SIM else (NTH % NT or NTH // WARP > WARP):
+        raise ValueError(f"post norm: {NT} threads cannot stand in for rmsnorm's {NTH}")
+    Q, I4 = range(1 if IS_SIM else NTH // NT), range(4)
+    with s.block("if fin:"):
+        s("rflag = cuda.shared.array(1, int32)")
+        s(f"pn = cuda.shared.array({NTH if IS_SIM else NTH // WARP}, float32)  # the norm's partial sums")
+        s("rsn = cuda.shared.array(1, float32)")
+        s("cuda.threadfence()  # this tile's y is visible before the token tile's ticket")
+        s("cuda.syncthreads()")
+        s("rt = cuda.gridDim.x * cuda.gridDim.y + cuda.blockIdx.x")
+        with s.block("if tid == 0:"):
+            s("rflag[0] = 1 if cuda.atomic.add(tickets, rt, 1) == cuda.gridDim.y - 1 else 0")
+        s("cuda.syncthreads()")
+        with s.block("if rflag[0] != 0:"):
+            s("cuda.threadfence()")
+            s("N = y.shape[1]")
+            for t in range(TM):
+                with s.block(f"if m0 + {t} < M:"):
+                    s(f"m = m0 + {t}")
+                    for q in Q:  # every first-trip value and its weight, in flight together
+                        for i in I4:
+                            s(f"c_{q}_{i} = min(tid + {q * NT + i * NTH}, N - 1)")
+                            s(f"y_{q}_{i} = ldcg2(y, m, c_{q}_{i})")
+                            s(f"g_{q}_{i} = pw[c_{q}_{i}]")
+                    for q in Q:  # virtual thread v = tid + q NT: rmsnorm's loops, its first trip from registers
+                        with s.block(f"if tid < {NTH}:" if IS_SIM else "if True:"):
+                            s(f"j = tid + {q * NT}")
+                            with s.block(f"if j + {3 * NTH} < N:"):
+                                for i in I4:
+                                    s(f"s{i} = y_{q}_{i} * y_{q}_{i}")
+                                s(f"j += {4 * NTH}")
+                                with s.block(f"while j + {3 * NTH} < N:"):
+                                    for i in I4:
+                                        s(f"v{i} = ldcg2(y, m, j + {i * NTH})")
+                                    for i in I4:
+                                        s(f"s{i} += v{i} * v{i}")
+                                    s(f"j += {4 * NTH}")
+                                with s.block("while j < N:"):
+                                    s("v0 = ldcg2(y, m, j)")
+                                    s("s0 += v0 * v0")
+                                    s(f"j += {NTH}")
+                            with s.block("else:  # (no trip of four: the leftover loop alone, at most three values)"):
+                                s("s0 = s1 = s2 = s3 = float32(0.0)")
+                                for i in range(3):
+                                    with s.block(f"if j + {i * NTH} < N:"):
+                                        s(f"s0 += y_{q}_{i} * y_{q}_{i}")
+                            s("p = (s0 + s1) + (s2 + s3)")
+                            if IS_SIM:  # rmsnorm's simulator sum: a tree in shared memory, in order below
+                                s("pn[tid] = p")
+                            else:
+                                for off in (16, 8, 4, 2, 1):
+                                    s(f"p += cuda.shfl_xor_sync(0xFFFFFFFF, p, {off})")
+                                with s.block("if lane == 0:"):
+                                    s(f"pn[warp + {q * WARPS}] = p")
+                    s("cuda.syncthreads()")
+                    if IS_SIM:
+                        with s.block("if tid == 0:"):
+                            s(f"h = {NTH // 2}")
+                            with s.block("while h > 0:"):
+                                with s.block("for i in range(h):"):
+                                    s("pn[i] += pn[i + h]")
+                                s("h //= 2")
+                            s("rsn[0] = pn[0]")
+                    else:
+                        with s.block("if warp == 0:"):
+                            s(f"p = pn[lane] if lane < {NTH // WARP} else float32(0.0)")
+                            for off in (16, 8, 4, 2, 1):
+                                s(f"p += cuda.shfl_xor_sync(0xFFFFFFFF, p, {off})")
+                            with s.block("if lane == 0:"):
+                                s("rsn[0] = p")
+                    s("cuda.syncthreads()")
+                    s("inv = float32(1.0) / math.sqrt(rsn[0] / float32(N) + peps)")
+                    # columns tid + k NT, k < 4 NTH / NT, are the registers' (column tid + q NT + i NTH: k = q + i
+                    # NTH / NT; the simulator: threads tid < NTH, columns tid + i NTH); the rest (N > 4 NTH) loaded
+                    # again
+                    for q in Q:
+                        for i in I4:
+                            mine = f" and tid < {NTH}" if IS_SIM else ""
+                            with s.block(f"if tid + {q * NT + i * NTH} < N{mine}:"):
+                                s(f"a[m, tid + {q * NT + i * NTH}] = y_{q}_{i} * inv * g_{q}_{i}")
+                    with s.block(f"for j in range(tid + {4 * NTH}, N, {NT}):"):
+                        s("a[m, j] = ldcg2(y, m, j) * inv * pw[j]")
+                    s("cuda.syncthreads()  # (pn and rsn: the next row's)")
+            with s.block("if tid == 0:"):
+                s("tickets[rt] = 0  # ready for the next launch")
+
+
 @cache
-def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int, norm: bool = False, glu: bool = False):
+def _v2_kernel(kind: str, TM: int, NR: int, U: int, warps: int, norm: bool = False, glu: bool = False,
+               post: bool = False):
     """The v2 kernel for one weight kind and (TM, NR, U, warps); ``norm``: the RMS-normalising variant;
-    ``glu``: the variant that stages silu(gate) * up of x = [gate | up]."""
+    ``glu``: the variant that stages silu(gate) * up of x = [gate | up]; ``post``: the variant that also writes
+    rmsnorm(y) (``linear(..., post=...)``)."""
     _, PACK, _ = _KINDS[kind]
     prm = _v2_params(kind, TM, NR, U, warps)
-    ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, math=math, WARP=WARP, ldcg3=ldcg3,
+    ns = dict(prm, cuda=cuda, float32=float32, int32=int32, uint32=uint32, math=math, WARP=WARP, ldcg2=ldcg2,
+              ldcg3=ldcg3,
               XS_SHAPE=(PACK, TM, prm["KCW"]), RED_SHAPE=(warps, min(prm["NV"], WARP), WARP))
     if IS_SIM:
         ns.update(unpack_lo=_v2_lo, unpack_hi=_v2_hi, unpack_b=_v2_bf16)
     else:
         ns.update(i2f=libdevice.int_as_float)
-    src = _v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind], NORM=norm, GLU=glu)
+    src = _v2_source(**prm, UNPACK=(_V2_UNPACK_SIM if IS_SIM else _V2_UNPACK)[kind], NORM=norm, GLU=glu, POST=post)
     return jit_source(src, "linear_v2", ns, __name__)
 
 
@@ -763,7 +882,7 @@ def _pair_words(W, kind: str, K: int):
     return W, kind
 
 
-def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None, fo=None) -> None:
+def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None, fo=None, post=None) -> None:
     """``y[M, N] = x[M, K] @ W[N, K]^T``, or ``y += x @ W^T`` with ``accumulate`` (fused residual add).
 
     x: float32 device array [M, K], or uint64 [M, K / 2] in the hi / lo layout where the tensor cores take W
@@ -782,7 +901,17 @@ def linear(x, W, y, accumulate: bool = False, stream=0, norm=None, glu=None, fo=
 
     ``fo``: W in the tensor cores' fragment order too (:func:`fragment_order`), read in W's place where the tensor
     cores take x in the hi / lo layout (:func:`linear_tc`); bitwise the same.
+
+    ``post = (pw, eps, a, a_hl)``: then a[M, N] = rmsnorm(y; pw[N] float32, eps) (a_hl: also its hi / lo layout, or
+    None), as :func:`kdt.kernels.elementwise.rmsnorm` writes it: in the same launch where :func:`fuses_post` (the
+    same bits), else by that norm's launch after this one.
     """
+    if post is not None:
+        pw, peps, a, a_hl = post
+        if fuses_post(x, W, a_hl, norm, glu):
+            return linear_v2(x, W, y, accumulate, stream, post=(pw, peps, a))
+        linear(x, W, y, accumulate, stream, norm, glu, fo)
+        return ew.rmsnorm(y, pw, peps, a, stream=stream, y_hl=a_hl)
     M = x.shape[0]
     if np.dtype(x.dtype) == np.uint64:
         if norm is not None or glu is not None or not uses_tc(M, W):
@@ -880,6 +1009,16 @@ def fuses_norm(N: int, Kw: int, M: int | None = None) -> bool:
     at most FUSE_NORM_M_WORDS words (see FUSE_NORM); M None: the rule for any M (the small matrices)."""
     few = M is not None and M <= FUSE_NORM_MAX_M and N * Kw <= FUSE_NORM_M_WORDS
     return FUSE_NORM and (2 * N * Kw <= V2_SHRINK_WORDS or few)
+
+
+def fuses_post(x, W, a_hl=None, norm=None, glu=None) -> bool:
+    """``linear(x, W, y, post=...)`` writes the norm of y in its own launch (linear_v2's POST): at M <=
+    POST_NORM_MAX_M tokens where linear_v2 takes W (float32 x, no tensor cores, no glu) and nobody wants the norm's
+    hi / lo layout (see POST_NORM_MAX_M)."""
+    M = x.shape[0]
+    return (0 < M <= POST_NORM_MAX_M and a_hl is None and glu is None and np.dtype(x.dtype) == np.float32
+            and VERSION == "2" and V2_MIN_M <= M <= V2_MAX_M and not uses_tc(M, W) and _v2_reads(W)
+            and (norm is None or fuses_norm(*W.shape, M)))
 
 
 def fuses_glu(N: int, Kw: int) -> bool:
@@ -987,10 +1126,13 @@ def _scratch(dev: int, S: int, M: int, N: int, n_tiles: int):
 
 
 def linear_v2(x, W, y, accumulate: bool = False, stream=0, tm: int | None = None,
-              splits: int | None = None, warps: int | None = None, norm=None, glu: bool = False) -> None:
+              splits: int | None = None, warps: int | None = None, norm=None, glu: bool = False,
+              post=None) -> None:
     """:func:`linear` with the v2 kernel (any M); ``tm`` / ``splits`` / ``warps`` override the plan
     (tests, sweeps); ``norm = (gw, eps)``: y = rmsnorm(x; gw, eps) @ W^T in the same launch; ``glu``: x is
-    [M, 2K] = [gate | up] and y = (silu(gate) * up) @ W^T in the same launch.
+    [M, 2K] = [gate | up] and y = (silu(gate) * up) @ W^T in the same launch; ``post = (pw, eps, a)``: then
+    a[M, N] = rmsnorm(y; pw[N] float32, eps) in the same launch (the bits of
+    :func:`kdt.kernels.elementwise.rmsnorm`; see POST_NORM_MAX_M).
 
     With S > 1 K-splits, partial sums go to a cached scratch buffer and the last block of each output
     tile to finish (atomic ticket) adds them in split order (then ``y`` when ``accumulate``), in the
@@ -1000,30 +1142,40 @@ def linear_v2(x, W, y, accumulate: bool = False, stream=0, tm: int | None = None
     M, K, N = _check_args(x, W, y, glu)
     if norm is not None and (tuple(norm[0].shape) != (K,) or np.dtype(norm[0].dtype) != np.float32):
         raise ValueError(f"linear: the norm weight must be float32 [{K}], got {norm[0].dtype} {tuple(norm[0].shape)}")
+    if post is not None and (tuple(post[0].shape) != (N,) or np.dtype(post[0].dtype) != np.float32
+                             or tuple(post[2].shape) != (M, N) or np.dtype(post[2].dtype) != np.float32):
+        raise ValueError(f"linear: post needs a float32 norm weight [{N}] and a float32 output [{M}, {N}], got "
+                         f"{post[0].dtype} {tuple(post[0].shape)} and {post[2].dtype} {tuple(post[2].shape)}")
     if M == 0 or N == 0:
         return
     if not _v2_reads(W):
-        if norm is not None or glu:
+        if norm is not None or glu or post is not None:
             raise ValueError("linear_v2: a normalising or GLU launch needs W contiguous with < 2**32 elements")
         return linear_v1(x, W, y, accumulate, stream)
     W, kind = _pair_words(W, _weight_kind(W), K)
     Kw = W.shape[1]
     dev, nsm = _device()
     TM, NR, U, warps, S, ks = _v2_plan(M, N, Kw, nsm, tm, splits, warps)
-    kern = _v2_kernel(kind, TM, NR, U, warps, norm is not None, glu)
+    kern = _v2_kernel(kind, TM, NR, U, warps, norm is not None, glu, post is not None)
     acc = 1 if accumulate else 0
     grid = (cdiv(M, TM), cdiv(N, NR * warps), S)
-    part, tickets = _scratch(dev, S, M, N, grid[0] * grid[1]) if S > 1 else _scratch(dev, 1, 1, 1, 1)
+    # tickets: one a tile (split-K), then (post) one a token tile
+    n_tickets = grid[0] * grid[1] + grid[0] if post is not None else grid[0] * grid[1] if S > 1 else 1
+    part, tickets = _scratch(dev, S, M, N, n_tickets) if S > 1 else _scratch(dev, 1, 1, 1, n_tickets)
     args = (x, W.reshape(N * Kw), Kw, y, part, tickets, ks, acc)
-    kern[grid, warps * WARP, stream](*(args if norm is None else args + (norm[0], np.float32(norm[1]))))
+    if norm is not None:
+        args += (norm[0], np.float32(norm[1]))
+    if post is not None:
+        args += (post[0], np.float32(post[1]), post[2])
+    kern[grid, warps * WARP, stream](*args)
 
 
 # ---- sm_90 compile check: both paths, every weight-word kind, every skinny tile config -----------------
-def V2_SIG(wt, norm: bool = False):  # noqa: N802 - the v2 kernel's signature for weight-word type wt
+def V2_SIG(wt, norm: bool = False, post: bool = False):  # noqa: N802 - the v2 kernel's signature for weight words wt
     """(The GLU variant takes the plain signature: its x [M, 2K] is C-contiguous like dense_mlp's gu, or h[:M]
     of a C-contiguous h, a row slice that keeps the C layout.)"""
     sig = (float32[:, ::1], wt[::1], int64, float32[:, ::1], float32[:, :, ::1], int32[::1], int64, int64)
-    return sig + ((float32[::1], float32) if norm else ())
+    return sig + ((float32[::1], float32) if norm else ()) + ((float32[::1], float32, float32[:, ::1]) if post else ())
 
 
 # The shapes the engine runs linear(..., glu=) at (dense_mlp's down projection, weight [N, K]): (M, N, K, kind)
@@ -1064,6 +1216,10 @@ def _register() -> None:
             if (kind, TM) in (("f32", 1), ("f32", 16), ("bf16x2", 1), ("bf16x2", 4)) and warps == V2_WARPS:
                 register_ptx(_v2_kernel(kind, TM, V2_NR, U, warps, True), V2_SIG(wt, True),
                              name=f"linear_v2_norm_{kind}_{TM}x{V2_NR}_u{U}_w{warps}")
+    # the post-norm variant where the engine may run it: o_proj at one token (POST_NORM_MAX_M)
+    for kind in ("f32", "bf16x2"):
+        register_ptx(_v2_kernel(kind, 1, V2_NR, V2_U[1], V2_WARPS, post=True), V2_SIG(_KINDS[kind][2], post=True),
+                     name=f"linear_v2_post_{kind}_1x{V2_NR}_u{V2_U[1]}_w{V2_WARPS}")
     # the GLU variant (dense_mlp's down projection) only where the engine runs it: each costs 4-15 s of the check
     for kind, TM, NR, U, warps in glu_variants():
         register_ptx(_v2_kernel(kind, TM, NR, U, warps, glu=True), V2_SIG(_KINDS[kind][2]),
