@@ -7,6 +7,7 @@
     python scripts/bench_linear.py --presets moonlight-16b-a3b --M 64,65 --tc 65 --plans '2,4,2,8,8;2,3,2,8,8'
     python scripts/bench_linear.py --presets moonlight-16b-a3b --M 16,64,65,256 --tiled   # the block-tiled GEMM
     python scripts/bench_linear.py --presets moonlight-16b-a3b --M 65 --tiled --layers lm_head --tiled-plans '4,2,2,5,6'
+    python scripts/bench_linear.py --presets moonlight-16b-a3b --M 1 --post   # o_proj, then the MoE's input norm
 
 Times each kernel like ``python -m kdt.kernels.bench`` (kdt/kernels/bench.py: launches queued behind
 a spin kernel, CUDA events around the batch; weights rotated over >= 128 MB of copies so each launch
@@ -29,6 +30,10 @@ that x with the weights in fragment order (``fo``: linear's fo, kdt.engine.cuda_
 against hilo's);
 ``--jobs N`` first compiles the plans in N processes at once into kdt's disk cache (a plan compiles in seconds,
 the sweep's ~30 one after another in minutes).
+
+``--post`` times the engine's o_proj at --M (x += o_proj(o), then a = rmsnorm(x), ``linear(..., post=...)``) with
+the norm's launch after it (POST_NORM_MAX_M = 0) against the norm in its launch (POST_NORM_MAX_M = M), each pair of
+launches back to back as the graph runs them (without the graph's PDL), and checks that a has the same bits.
 """
 
 from __future__ import annotations
@@ -275,6 +280,35 @@ def bench_tiled(presets: list[str], Ms: list[int], plans=(), layers=None) -> lis
     return rows
 
 
+def bench_post(presets: list[str], Ms: list[int]) -> list[dict]:
+    """o_proj with the MoE's input norm after it: the norm's own launch against linear_v2's POST (``--post``)."""
+    rows = []
+    for name in presets:
+        cfg = preset(name)
+        D, K = cfg.hidden_size, cfg.num_attention_heads * cfg.v_head_dim
+        Ws = [rand((D, K), np.uint16) for _ in range(max(2, cdiv(128 << 20, 2 * D * K)))]
+        pw = rand((D,))
+        for M in Ms:
+            o, x = rand((M, K)), rand((M, D))
+            a = {n: cuda.device_array((M, D), np.float32) for n in (0, M)}
+            us = {}
+            for n in (0, M):
+                lin.POST_NORM_MAX_M = n
+                fn = rotating(lin.linear, Ws, o, x, accumulate=True, post=(pw, cfg.rms_norm_eps, a[n], None))
+                us[n] = timed(fn, estimate_us(fn))
+            x0 = x.copy_to_host()  # the same x, both ways: a the same bits
+            for n in (0, M):
+                lin.POST_NORM_MAX_M = n
+                x.copy_to_device(x0)
+                lin.linear(o, Ws[0], x, accumulate=True, post=(pw, cfg.rms_norm_eps, a[n], None))
+            same = bool(np.array_equal(a[0].copy_to_host(), a[M].copy_to_host()))
+            print(f"{name:18s} M={M:3d} o_proj {D}x{K} + norm: its own launch {us[0]:7.2f} us, in o_proj's "
+                  f"{us[M]:7.2f} us ({us[M] - us[0]:+.2f}); a the same bits: {same}", flush=True)
+            rows.append(dict(preset=name, M=M, separate_us=us[0], post_us=us[M], same_bits=same))
+    lin.POST_NORM_MAX_M = 0
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="moonlight-16b-a3b,kimi-k2")
@@ -294,7 +328,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tiled-plans", default="", metavar="WN,WM,RT,TT,ST[,PRE];..", help="--tiled: also time the tiled "
                     "GEMM (hi / lo x) with each of these plans (PRE 1: the copies' offsets once, tc_tiled.PRE)")
     ap.add_argument("--layers", default="", metavar="NAME,..", help="--tiled / --tc: these layers only (e.g. lm_head)")
+    ap.add_argument("--post", action="store_true", help="instead: o_proj with the MoE's input norm in its own launch "
+                    "against in o_proj's (linear's post)")
     args = ap.parse_args(argv)
+    if args.post:
+        rows = bench_post(args.presets.split(","), [int(m) for m in args.M.split(",") if m])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"post": rows}, f, indent=1)
+        return 0
     if args.tiled:
         tplans = [tuple(int(v) for v in p.split(",")) for p in args.tiled_plans.split(";") if p]
         if args.jobs > 1:  # the plans at --M and the gpu tests' 37 / 100 tokens, both x layouts (float32 x at 8

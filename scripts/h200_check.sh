@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session (see ../shared/device/README.md): gpu tests, kdt verify on CUDA, kdt bench.
-# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a|s49b|s50a|s50b|s51a|s52a|s52b|s53a|s53b|s53c|s53d|s54a|s54b|s54c
+# Usage on the device machine (carry .whl):  bash scripts/h200_check.sh engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a|s49b|s50a|s50b|s51a|s52a|s52b|s53a|s53b|s53c|s53d|s54a|s54b|s54c|s54d
 # (one device call each: a call may run 10 minutes at most).
 # Logs and JSON go to $OUT (or ./out); a short summary is printed last.
 set -u
@@ -1939,19 +1939,29 @@ s54b)  # session 54, issue 7: the post norm in the engine's graphs (the AR step 
 s54c)  # session 54, issue 7: the post norm's tail with its loads in flight (s54b's tail loaded in loops: +157 us a
   # step), in the engine's graphs (--ab, one process), then its gpu tests and the Moonlight layer's bf16 tests (their
   # name check fixed for kernel C's _fo_r80_cmb2_k6)
+  # (budget ${BUDGET:-4}: the AR step is what it changes, and a small verify compiles fewer kernels on a cold card)
   step profile_post ${PROFILE_TIMEOUT:-300} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --drafter oracle \
-    --budget 64 --launches none --ab kdt.kernels.linear.POST_NORM_MAX_M=1 \
-    --json "$OUT/profile-graphs-$day-moonlight-b64-post-s54c.json"
+    --budget ${BUDGET:-4} --launches none --ab kdt.kernels.linear.POST_NORM_MAX_M=1 \
+    --json "$OUT/profile-graphs-$day-moonlight-b${BUDGET:-4}-post-s54c.json"
   grep -h "==\|step\|forward\|empty\|build\|POST\|Error\|error" "$OUT/profile_post.log" | cut -c1-170 | tail -n 16
   tparts ${TEST_TIMEOUT:-250} lin tests/test_kernels_linear.py -k "post_norm"
   tparts ${TEST_TIMEOUT:-250} kern tests/test_kernels_moe.py -k "test_moe_forward_moonlight and bf16-2"
   wait; for n in lin kern; do echo "pytest $n:"; grep -h "^FAILED\|^ERROR\|passed\|failed\|rc=" \
     "$OUT/pytest_$n.log" | cut -c1-300; done ;;
+s54d)  # session 54, issue 7: the post norm at the kernel level first (o_proj + the norm's launch against the norm in
+  # o_proj's, back to back, Moonlight and Kimi-K2 at one token; seconds of compile), then s54c's engine A/B if time is left
+  step post_lin ${LIN_TIMEOUT:-150} python3 scripts/bench_linear.py --presets moonlight-16b-a3b,kimi-k2 --M 1 --post \
+    --json "$OUT/linear-post-$day-s54d.json"
+  grep -h "norm:\|Error\|error" "$OUT/post_lin.log" | cut -c1-170
+  step profile_post ${PROFILE_TIMEOUT:-300} python3 scripts/profile_graphs.py --preset moonlight-16b-a3b --drafter oracle \
+    --budget 4 --launches none --ab kdt.kernels.linear.POST_NORM_MAX_M=1 \
+    --json "$OUT/profile-graphs-$day-moonlight-b4-post-s54d.json"
+  grep -h "==\|step\|forward\|POST\|Error\|error" "$OUT/profile_post.log" | cut -c1-170 | tail -n 12 ;;
 s48b|s53d)  # session 48: kdt bench on the final code (after s48a), JSON named by the mode (s53d: session 53's)
   step bench_moonlight ${BENCH_TIMEOUT:-300} python3 -m kdt.cli bench --preset moonlight-16b-a3b --dtype bf16 \
     --compile-jobs 12 --json "$OUT/bench-$day-moonlight-16b-a3b-bf16-$MODE.json" \
     && tail -n 50 "$OUT/bench_moonlight.log" | cut -c1-160 ;;
-*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a|s49b|s50a|s50b|s51a|s52a|s52b|s53a|s53b|s53c|s53d|s54a|s54b|s54c"; exit 2 ;;
+*) echo "usage: $0 engine|kernels|bench|all-engine|baseline|step|final|drafter|mla|profile|session4|train|drafters|moe|moe-ab|session6|tree|moe-wide|all-tests|train-eval|dense-ab|final8|small-linear|final9|moon9|ab9|drafter9|norm-ab|moe10|final10|moon10|norm-moon10|kv-ab|s11a|s11b|s11c|s11d|s12t|s12a|s12b|s12c|s13a|s13b|s13c|s13d|s14t|s14a|s14b|s15a|s15b|s15c|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s24c|s24d|s24e|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s32a|s32b|s32c|s32d|s32e|s33a|s33b|s33c|s34a|s34b|s34c|s34d|s35a|s35b|s35c|s35d|s36a|s36b|s36c|s36d|s36e|s37a|s39a|s39b|s39c|s40a|s40b|s40c|s41a|s41b|s41c|s42a|s42b|s42c|s42d|s42e|s43a|s43b|s43c|s44a|s44b|s44c|s45a|s46a|s46b|s46c|s47a|s47b|s47c|s48a|s48b|s48c|s48d|s48e|s49a|s49b|s50a|s50b|s51a|s52a|s52b|s53a|s53b|s53c|s53d|s54a|s54b|s54c|s54d"; exit 2 ;;
 esac
 cat "$OUT/gpu.txt"
 printf '%s\n' "${summary[@]}"
