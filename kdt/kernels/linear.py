@@ -506,6 +506,23 @@ def _v2_params(kind: str, TM: int, NR: int, U: int, warps: int) -> dict:
     return dict(TM=TM, NR=NR, U=U, PACK=PACK, WARPS=warps, NT=NT, STEP=STEP, KCW=KCW, KCE=KCW * PACK, NV=NV)
 
 
+def _emit_xor_sum(s: Src, v: str) -> None:
+    """Emit a warp's all-reduce of float32 ``v`` by xor shuffles (every lane gets the sum; GPU only)."""
+    for off in (16, 8, 4, 2, 1):
+        s(f"{v} += cuda.shfl_xor_sync(0xFFFFFFFF, {v}, {off})")
+
+
+def _emit_last_ticket(s: Src, flag: str, index: str, count: str, why: str) -> None:
+    """Emit a block's ticket: after a fence (``why``: what it publishes), thread 0 takes one of
+    ``tickets[index]``; shared ``flag[0]`` is 1 in the block that takes the last of ``count``, else 0."""
+    s(f"{flag} = cuda.shared.array(1, int32)")
+    s(f"cuda.threadfence()  # {why}")
+    s("cuda.syncthreads()")
+    with s.block("if tid == 0:"):
+        s(f"{flag}[0] = 1 if cuda.atomic.add(tickets, {index}, 1) == {count} - 1 else 0")
+    s("cuda.syncthreads()")
+
+
 def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int, KCE: int, NV: int,
                UNPACK: tuple, WARPS: int, NORM: bool = False, GLU: bool = False, POST: bool = False, **_) -> str:
     """Python source of the v2 kernel for one (TM, NR, PACK), every compile-time loop unrolled.
@@ -596,8 +613,7 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
                             s(f"ss_{t} += red[warp, {t}, i]")
             else:
                 for t in T:
-                    for off in (16, 8, 4, 2, 1):
-                        s(f"ss_{t} += cuda.shfl_xor_sync(0xFFFFFFFF, ss_{t}, {off})")
+                    _emit_xor_sum(s, f"ss_{t}")
             with s.block("if lane == 0:"):
                 for t in T:
                     s(f"rsw[warp, {t}] = ss_{t}")
@@ -702,13 +718,9 @@ def _v2_source(TM: int, NR: int, U: int, PACK: int, NT: int, STEP: int, KCW: int
         if POST:
             s("fin = True  # this block finished its tile's y (POST: the row ticket below)")
         with s.block("if cuda.gridDim.z > 1:"):
-            s("flag = cuda.shared.array(1, int32)")
             s("tile = cuda.blockIdx.x * cuda.gridDim.y + cuda.blockIdx.y")
-            s("cuda.threadfence()  # this block's partials are visible before its ticket")
-            s("cuda.syncthreads()")
-            with s.block("if tid == 0:"):
-                s("flag[0] = 1 if cuda.atomic.add(tickets, tile, 1) == cuda.gridDim.z - 1 else 0")
-            s("cuda.syncthreads()")
+            _emit_last_ticket(s, "flag", "tile", "cuda.gridDim.z",
+                              "this block's partials are visible before its ticket")
             with s.block("if flag[0] != 0:"):
                 s("cuda.threadfence()")
                 s("S = cuda.gridDim.z")
@@ -747,15 +759,10 @@ def _emit_post_norm(s: Src, TM: int, WARPS: int) -> None:
         raise ValueError(f"post norm: {NT} threads cannot stand in for rmsnorm's {NTH}")
     Q, I4 = range(1 if IS_SIM else NTH // NT), range(4)
     with s.block("if fin:"):
-        s("rflag = cuda.shared.array(1, int32)")
         s(f"pn = cuda.shared.array({NTH if IS_SIM else NTH // WARP}, float32)  # the norm's partial sums")
         s("rsn = cuda.shared.array(1, float32)")
-        s("cuda.threadfence()  # this tile's y is visible before the token tile's ticket")
-        s("cuda.syncthreads()")
         s("rt = cuda.gridDim.x * cuda.gridDim.y + cuda.blockIdx.x")
-        with s.block("if tid == 0:"):
-            s("rflag[0] = 1 if cuda.atomic.add(tickets, rt, 1) == cuda.gridDim.y - 1 else 0")
-        s("cuda.syncthreads()")
+        _emit_last_ticket(s, "rflag", "rt", "cuda.gridDim.y", "this tile's y is visible before the token tile's ticket")
         with s.block("if rflag[0] != 0:"):
             s("cuda.threadfence()")
             s("N = y.shape[1]")
@@ -793,8 +800,7 @@ def _emit_post_norm(s: Src, TM: int, WARPS: int) -> None:
                             if IS_SIM:  # rmsnorm's simulator sum: a tree in shared memory, in order below
                                 s("pn[tid] = p")
                             else:
-                                for off in (16, 8, 4, 2, 1):
-                                    s(f"p += cuda.shfl_xor_sync(0xFFFFFFFF, p, {off})")
+                                _emit_xor_sum(s, "p")
                                 with s.block("if lane == 0:"):
                                     s(f"pn[warp + {q * WARPS}] = p")
                     s("cuda.syncthreads()")
@@ -809,8 +815,7 @@ def _emit_post_norm(s: Src, TM: int, WARPS: int) -> None:
                     else:
                         with s.block("if warp == 0:"):
                             s(f"p = pn[lane] if lane < {NTH // WARP} else float32(0.0)")
-                            for off in (16, 8, 4, 2, 1):
-                                s(f"p += cuda.shfl_xor_sync(0xFFFFFFFF, p, {off})")
+                            _emit_xor_sum(s, "p")
                             with s.block("if lane == 0:"):
                                 s("rsn[0] = p")
                     s("cuda.syncthreads()")
